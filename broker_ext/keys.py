@@ -1,0 +1,136 @@
+"""Every Redis key the fenced transport uses, built in this one place.
+
+All keys of one queue share the queue's hash tag ``{...}``, so a queue lives in
+one Redis Cluster slot and every script touches one slot only. Redis hashes the
+text between the first ``{`` and the next ``}``; a queue name may itself hold
+braces, so the tag is the name with ``%``, ``{`` and ``}`` percent-escaped.
+
+Layout for queue ``q`` (tag ``T``):
+
+=====================  ======  ==================================================
+``fenced:{T}:ready``   zset    message id -> priority * 1e12 + sequence (0 first)
+``fenced:{T}:delayed`` zset    message id -> due time, ms of Redis server time
+``fenced:{T}:leases``  zset    message id -> lease deadline, ms of server time
+``fenced:{T}:dead``    zset    message id -> dead-lettered at, ms of server time
+``fenced:{T}:bodies``  hash    message id -> the Kombu payload (JSON)
+``fenced:{T}:state``   hash    message id -> "token|deliveries|priority|queued_ms"
+``fenced:{T}:reasons`` hash    message id -> why it was dead-lettered (JSON)
+``fenced:{T}:done``    zset    acked ids -> acked at (publish dedup window)
+``fenced:{T}:seq``     string  per-queue sequence for FIFO order within a priority
+``fenced:{T}:signal``  list    wake-up tokens for blocked consumers (capped)
+``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
+``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
+``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
+``fenced:{T}:claim:R`` string  the reply of claim request R, for a resent claim
+=====================  ======  ==================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+PREFIX = "fenced"
+
+
+def hash_tag(queue: str) -> str:
+    """Return the Cluster hash tag of ``queue``: its name with ``%``, ``{``, ``}`` escaped."""
+    return queue.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """The key names of one queue."""
+
+    queue: str
+    prefix: str = ""
+
+    @cached_property
+    def base(self) -> str:
+        return f"{self.prefix}{PREFIX}:{{{hash_tag(self.queue)}}}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.base}:{name}"
+
+    @cached_property
+    def ready(self) -> str:
+        return self._key("ready")
+
+    @cached_property
+    def delayed(self) -> str:
+        return self._key("delayed")
+
+    @cached_property
+    def leases(self) -> str:
+        return self._key("leases")
+
+    @cached_property
+    def dead(self) -> str:
+        return self._key("dead")
+
+    @cached_property
+    def bodies(self) -> str:
+        return self._key("bodies")
+
+    @cached_property
+    def state(self) -> str:
+        return self._key("state")
+
+    @cached_property
+    def reasons(self) -> str:
+        return self._key("reasons")
+
+    @cached_property
+    def done(self) -> str:
+        return self._key("done")
+
+    @cached_property
+    def seq(self) -> str:
+        return self._key("seq")
+
+    @cached_property
+    def signal(self) -> str:
+        return self._key("signal")
+
+    @cached_property
+    def stats(self) -> str:
+        return self._key("stats")
+
+    @cached_property
+    def dedups(self) -> str:
+        return self._key("dedups")
+
+    def dedup(self, dedup_key: str) -> str:
+        return self._key(f"dedup:{dedup_key}")
+
+    def claim_request(self, request_id: str) -> str:
+        return self._key(f"claim:{request_id}")
+
+    def all_static(self) -> list[str]:
+        """Every fixed key of the queue (not the per-dedup / per-claim ones)."""
+        return [
+            self.ready,
+            self.delayed,
+            self.leases,
+            self.dead,
+            self.bodies,
+            self.state,
+            self.reasons,
+            self.done,
+            self.seq,
+            self.signal,
+            self.stats,
+            self.dedups,
+        ]
+
+
+def queue_of_signal_key(key: str, prefix: str = "") -> str:
+    """Invert :attr:`QueueKeys.signal`: the queue name a BRPOP reply came from.
+
+    The global key prefix may or may not still be on ``key`` (Kombu's prefixed
+    client strips it from BRPOP replies), so it is removed only when present.
+    """
+    if prefix and key.startswith(prefix):
+        key = key[len(prefix) :]
+    tag = key[len(PREFIX) + 2 : -len("}:signal")]
+    return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")

@@ -1,0 +1,61 @@
+#!lua flags=allow-oom
+--[[
+dead_letter: move messages to the queue's dead-letter set, with a reason.
+
+For reject(requeue=False), a body that cannot be decoded, an unknown task, an
+oversized payload. The body and state are kept so an operator can inspect and
+revive the message; the token is bumped so the former holder is fenced off.
+A token of "*" skips the fencing check (operator action from the admin).
+
+KEYS[1] leases  KEYS[2] state  KEYS[3] ready  KEYS[4] delayed
+KEYS[5] dead    KEYS[6] reasons  KEYS[7] stats
+
+ARGV[1] reason (text)
+ARGV[2..] pairs: id, token (or "*")
+
+Reply: one integer per pair:
+   5 DEAD_LETTERED  moved to the dead-letter set
+  -1 NOT_FOUND      no such message
+  -2 STALE          a newer delivery exists: nothing written
+Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
+--]]
+
+local function check_type(key, want)
+  local t = redis.call('TYPE', key)['ok']
+  if t ~= 'none' and t ~= want then
+    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
+  end
+end
+
+if #KEYS ~= 7 or #ARGV < 3 or #ARGV % 2 ~= 1 then
+  error({err = 'FENCED BADARG dead_letter needs 7 keys, a reason and id/token pairs'})
+end
+local types = {'zset', 'hash', 'zset', 'zset', 'zset', 'hash', 'hash'}
+for i = 1, 7 do check_type(KEYS[i], types[i]) end
+
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local replies, dead = {}, 0
+for i = 2, #ARGV, 2 do
+  local id, token = ARGV[i], ARGV[i + 1]
+  local st = redis.call('HGET', KEYS[2], id)
+  local current, rest
+  if st then current, rest = string.match(st, '^(%d+)(|.*)$') end
+  if not st then
+    replies[#replies + 1] = -1
+  elseif token ~= '*' and current ~= token then
+    replies[#replies + 1] = -2
+  else
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('ZREM', KEYS[3], id)
+    redis.call('ZREM', KEYS[4], id)
+    redis.call('ZADD', KEYS[5], now_ms, id)
+    redis.call('HSET', KEYS[2], id, string.format('%.0f', tonumber(current) + 1) .. rest)
+    redis.call('HSET', KEYS[6], id, cjson.encode({
+      reason = ARGV[1], at_ms = now_ms, deliveries = tonumber(string.match(rest, '^|(%d+)'))}))
+    replies[#replies + 1] = 5
+    dead = dead + 1
+  end
+end
+if dead > 0 then redis.call('HINCRBY', KEYS[7], 'dead_lettered', dead) end
+return replies

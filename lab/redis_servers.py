@@ -1,0 +1,256 @@
+"""Private ``redis-server`` processes on free loopback ports, started and stopped by PID.
+
+The demo, the fault lab, the benchmark and the test fixtures all run against Redis
+servers they own, never against a shared one: a server here is started with its
+own directory, port and configuration, and is stopped by the PID it was started
+with. Faults (pause, restart, kill) are methods of the server, so every caller
+injects them the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from lab.errors import RedisServerError
+
+INSTALL_HINT = (
+    "redis-server was not found on PATH. Install it with "
+    "`apt-get install -y redis-server` (Debian/Ubuntu, as root) or "
+    "`brew install redis` (macOS), then run the command again."
+)
+
+
+def redis_server_binary() -> str:
+    """Return the path of ``redis-server``, or raise with how to install it."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RedisServerError(INSTALL_HINT)
+    return path
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` process owned by this Python process.
+
+    ``config`` holds extra ``redis-server`` options (``{"maxmemory": "2mb"}``);
+    ``appendonly=True`` turns on AOF with ``appendfsync always`` so that a
+    restart keeps everything that was acknowledged.
+    """
+
+    port: int = 0
+    config: dict[str, str] = field(default_factory=dict)
+    appendonly: bool = False
+    cluster: bool = False
+    directory: Path | None = None
+    process: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            self.port = free_port()
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix=f"redis-{self.port}-"))
+        self._owns_directory = True
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def arguments(self) -> list[str]:
+        args = [
+            redis_server_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--databases",
+            "64",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.directory / "redis.log"),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+        ]
+        if self.appendonly:
+            args += ["--appendfsync", "always"]
+        if self.cluster:
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.directory / "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]
+        for name, value in self.config.items():
+            args += [f"--{name}", str(value)]
+        return args
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        self.process = subprocess.Popen(
+            self.arguments(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RedisServerError(
+                    f"redis-server on port {self.port} exited with "
+                    f"{self.process.returncode}; see {self.directory / 'redis.log'}"
+                )
+            try:
+                if self.client(socket_timeout=0.5).ping():
+                    return
+            except redis.exceptions.BusyLoadingError:
+                pass
+            except redis.exceptions.ConnectionError:
+                pass
+            time.sleep(0.05)
+        raise RedisServerError(f"redis-server on port {self.port} did not answer in {timeout}s")
+
+    def client(self, db: int = 0, **kwargs) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
+
+    def stop(self) -> None:
+        """Stop the server by its PID (SIGCONT first, in case it is paused)."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self._signal(signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server: what a crashed host looks like."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Kill and start again on the same port and directory (AOF, if on, is replayed)."""
+        self.kill()
+        self.start(timeout)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def cleanup(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        if self._owns_directory and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signum)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cleanup()
+
+
+@dataclass
+class RedisCluster:
+    """A local Redis Cluster on loopback: ``masters`` masters with ``replicas`` each."""
+
+    masters: int = 3
+    replicas: int = 0
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    def start(self, timeout: float = 30.0) -> RedisCluster:
+        count = self.masters * (1 + self.replicas)
+        self.nodes = [RedisServer(cluster=True).start() for _ in range(count)]
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        command = ["redis-cli", "--cluster", "create", *addresses, "--cluster-yes"]
+        if self.replicas:
+            command += ["--cluster-replicas", str(self.replicas)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            self.cleanup()
+            raise RedisServerError(f"redis-cli --cluster create failed: {result.stdout}{result.stderr}")
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self._cluster_state(node) for node in self.live_nodes()]
+            if states and all(state == "ok" for state in states):
+                return
+            time.sleep(0.1)
+        raise RedisServerError(f"Redis Cluster did not reach state ok in {timeout}s")
+
+    def live_nodes(self) -> Iterable[RedisServer]:
+        return [node for node in self.nodes if node.process is not None]
+
+    @staticmethod
+    def _cluster_state(node: RedisServer) -> str:
+        try:
+            info = node.client(socket_timeout=0.5).execute_command("CLUSTER INFO")
+        except redis.exceptions.RedisError:
+            return "down"
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        for line in text.splitlines():
+            if line.startswith("cluster_state:"):
+                return line.split(":", 1)[1].strip()
+        return "unknown"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", node.port) for node in self.nodes]
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+        self.nodes = []
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cleanup()

@@ -1,0 +1,1 @@
+"""queueapp: exactly-once task effects for Celery on the fenced:// Redis transport."""

@@ -1,0 +1,9 @@
+"""App config."""
+
+from django.apps import AppConfig
+
+
+class QueueappConfig(AppConfig):
+    name = "queueapp"
+    verbose_name = "Task queue"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,8 @@
+"""URLs: the Django admin is the operator's console."""
+
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+]

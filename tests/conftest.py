@@ -1,0 +1,81 @@
+"""Fixtures shared by every test: private redis-server processes, one per need.
+
+No test talks to a shared Redis: each server here is started on a free loopback
+port and stopped by PID. The session-wide server hands every test its own
+database number, flushed before the test, so tests never see each other's keys.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from lab.redis_servers import RedisCluster, RedisServer
+
+_databases = itertools.cycle(range(1, 64))
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One private redis-server for the whole run."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def redis_db(redis_server: RedisServer) -> int:
+    """A database number of the session server, empty when the test starts."""
+    db = next(_databases)
+    redis_server.client(db=db).flushdb()
+    return db
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer, redis_db: int) -> str:
+    """``redis://`` URL of this test's private database."""
+    return f"redis://127.0.0.1:{redis_server.port}/{redis_db}"
+
+
+@pytest.fixture
+def fenced_url(redis_server: RedisServer, redis_db: int) -> str:
+    """``fenced://`` URL of this test's private database."""
+    return f"fenced://127.0.0.1:{redis_server.port}/{redis_db}"
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer, redis_db: int):
+    client = redis_server.client(db=redis_db)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def restartable_redis() -> Iterator[RedisServer]:
+    """A server of the test's own, with AOF (appendfsync always), that the test may restart."""
+    server = RedisServer(appendonly=True).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def full_redis() -> Iterator[RedisServer]:
+    """A server with a tiny ``maxmemory`` and ``noeviction``: writes get refused."""
+    server = RedisServer(config={"maxmemory": "4mb", "maxmemory-policy": "noeviction"}).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A 3-master Redis Cluster on loopback, for the whole run."""
+    cluster = RedisCluster(masters=3).start()
+    yield cluster
+    cluster.cleanup()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("QUEUEAPP_VAR_DIR", str(config.rootpath / "var" / "test"))
