@@ -18,8 +18,14 @@ from broker_ext.queue import Delivery
 logger = logging.getLogger(__name__)
 
 
-def delivery_of(properties: dict) -> Delivery:
-    """The :class:`Delivery` a message's properties describe (set at claim time)."""
+def delivery_of(properties: dict) -> Delivery | None:
+    """The :class:`Delivery` a message's properties describe (set at claim time).
+
+    ``None`` for a message that was not claimed from a fenced queue: fanout
+    (pub/sub) messages have no lease, so acking them is a no-op.
+    """
+    if "fence_token" not in properties:
+        return None
     return Delivery(
         queue=properties["fenced_queue"],
         message_id=properties["fenced_message_id"],
@@ -40,8 +46,10 @@ class FencedQoS(virtual.QoS):
         self._pending_acks: list[Delivery] = []
 
     def append(self, message, delivery_tag) -> None:
-        with self._held_lock:
-            self._held[delivery_tag] = delivery_of(message.properties)
+        delivery = delivery_of(message.properties)
+        if delivery is not None:
+            with self._held_lock:
+                self._held[delivery_tag] = delivery
         super().append(message, delivery_tag)
 
     def held(self) -> list[Delivery]:

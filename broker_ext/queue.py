@@ -146,16 +146,16 @@ class FencedQueue:
         self.scripts = scripts or register(client)
 
     def _run(self, script, keys: list[str], args: list, client=None):
+        """Run a script, translating its refusals into this package's exceptions."""
         try:
             return script(keys=keys, args=args, client=client or self.client)
+        except redis.exceptions.OutOfMemoryError:
+            raise PublishRefused(
+                f"queue {self.name!r}: Redis is out of memory (maxmemory reached); nothing was written"
+            ) from None
         except redis.exceptions.ResponseError as exc:
-            message = str(exc)
-            if message.startswith("FENCED"):
-                raise ScriptRefused(f"queue {self.name!r}: {message}") from None
-            if message.startswith("OOM"):
-                raise PublishRefused(
-                    f"queue {self.name!r}: Redis is out of memory (maxmemory reached); nothing was written"
-                ) from None
+            if str(exc).startswith("FENCED"):
+                raise ScriptRefused(f"queue {self.name!r}: {exc}") from None
             raise
 
     # -- publish -------------------------------------------------------------------------

@@ -377,7 +377,9 @@ class Channel(kombu_redis.Channel):
             self.fenced_queue(queue).dead_letter(group, reason)
 
     def _restore(self, message, leftmost=False):
-        self.requeue_deliveries([delivery_of(message.properties)], counted=False)
+        delivery = delivery_of(message.properties)
+        if delivery is not None:  # a fanout message has no lease to give back
+            self.requeue_deliveries([delivery], counted=False)
 
     # -- queue management ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ injects them the same way.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,11 +40,30 @@ def redis_server_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(*, with_cluster_bus: bool = False) -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now.
+
+    A cluster node also listens on port + 10000 (its bus), so for one the port
+    is drawn from 20000-39999 with both ports checked.
+    """
+    if not with_cluster_bus:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    for _ in range(200):
+        port = random.randint(20000, 39999)
+        if _port_is_free(port) and _port_is_free(port + 10000):
+            return port
+    raise RedisServerError("no free port pair (port, port + 10000) for a cluster node")
 
 
 @dataclass
@@ -64,7 +84,7 @@ class RedisServer:
 
     def __post_init__(self) -> None:
         if not self.port:
-            self.port = free_port()
+            self.port = free_port(with_cluster_bus=self.cluster)
         if self.directory is None:
             self.directory = Path(tempfile.mkdtemp(prefix=f"redis-{self.port}-"))
         self._owns_directory = True
@@ -231,6 +251,8 @@ class RedisCluster:
             info = node.client(socket_timeout=0.5).execute_command("CLUSTER INFO")
         except redis.exceptions.RedisError:
             return "down"
+        if isinstance(info, dict):
+            return str(info.get("cluster_state", "unknown"))
         text = info.decode() if isinstance(info, bytes) else str(info)
         for line in text.splitlines():
             if line.startswith("cluster_state:"):

@@ -5,7 +5,8 @@ ack: finish deliveries whose fencing token is still current.
 A current token removes the message everywhere (leases, ready, delayed, body,
 state), even when its lease had expired and it was waiting to be redelivered:
 nobody holds a newer delivery, so the work is done and must not run again.
-A token that is not current is refused as STALE and changes nothing. An id
+A token that is not current is refused as STALE and changes nothing (not even
+a counter: the refusing caller logs it). An id
 acked before (a resent ack) is reported ALREADY_ACKED while it is in the done
 window.
 
@@ -39,7 +40,7 @@ for i = 1, 7 do check_type(KEYS[i], types[i]) end
 
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local replies, acked, stale = {}, 0, 0
+local replies, acked = {}, 0
 for i = 2, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
   local st = redis.call('HGET', KEYS[2], id)
@@ -47,7 +48,6 @@ for i = 2, #ARGV, 2 do
     replies[#replies + 1] = redis.call('ZSCORE', KEYS[4], id) and 2 or -1
   elseif string.match(st, '^(%d+)|') ~= token then
     replies[#replies + 1] = -2
-    stale = stale + 1
   else
     redis.call('ZREM', KEYS[1], id)
     redis.call('ZREM', KEYS[5], id)
@@ -63,5 +63,4 @@ if window > 0 and acked > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms - window)
 end
 if acked > 0 then redis.call('HINCRBY', KEYS[7], 'acked', acked) end
-if stale > 0 then redis.call('HINCRBY', KEYS[7], 'stale_refused', stale) end
 return replies

@@ -1,0 +1,152 @@
+"""Celery end to end over fenced://: real worker processes, real faults, checked on what ran."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from broker_ext.queue import FencedQueue
+from tests.broker_ext.conftest import runs, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def queue_of(redis_server, redis_db, name: str = "tests") -> FencedQueue:
+    return FencedQueue(redis_server.client(db=redis_db), name)
+
+
+def test_a_celery_worker_runs_200_tasks_end_to_end(celery_app, start_worker, record, redis_server, redis_db):
+    from tests.broker_ext.worker_app import record_run
+
+    worker = start_worker(pool="prefork", concurrency=2, prefetch=4)
+    for n in range(200):
+        record_run.delay(n)
+    assert wait_for(lambda: record.llen("finished") >= 200, timeout=90), worker.output()[-3000:]
+    time.sleep(0.5)
+    done = runs(record)
+    assert sorted(run["n"] for run in done) == list(range(200))
+    assert all(run["token"] and run["deliveries"] == 1 for run in done)
+    stats = queue_of(redis_server, redis_db).stats()
+    assert wait_for(lambda: queue_of(redis_server, redis_db).stats().leased == 0, timeout=10)
+    assert stats.ready == 0 and stats.dead == 0
+
+
+def test_a_killed_worker_s_task_is_redelivered_after_the_lease_with_a_higher_token(
+    celery_app, start_worker, record
+):
+    from tests.broker_ext.worker_app import record_run
+
+    options = {"lease_timeout": 2, "reclaim_interval": 0.5}
+    doomed = start_worker(transport_options=options, name="doomed")
+    record_run.delay(1, sleep=60)
+    assert wait_for(lambda: record.llen("runs") == 1, timeout=30), doomed.output()[-3000:]
+    doomed.kill()
+    survivor = start_worker(transport_options=options, name="survivor")
+    assert wait_for(lambda: record.llen("runs") == 2, timeout=30), survivor.output()[-3000:]
+    first, second = runs(record)
+    assert second["token"] > first["token"]
+    assert (first["deliveries"], second["deliveries"]) == (1, 2)
+
+
+def test_a_long_task_on_a_live_worker_is_not_redelivered_past_the_lease(celery_app, start_worker, record):
+    from tests.broker_ext.worker_app import record_run
+
+    options = {"lease_timeout": 1.5, "reclaim_interval": 0.3}
+    start_worker(transport_options=options, name="busy")
+    start_worker(transport_options=options, name="idle")
+    record_run.delay(7, sleep=6)
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=40)
+    time.sleep(2)
+    assert [run["n"] for run in runs(record)] == [7]
+
+
+def test_an_eta_task_held_in_worker_memory_past_the_lease_is_not_redelivered(
+    celery_app, start_worker, record, monkeypatch
+):
+    """Celery keeps an ETA message in memory until due; its lease is extended meanwhile."""
+    from broker_ext import transport
+    from tests.broker_ext.worker_app import record_run
+
+    # Deliver at once, as a publisher whose clock runs late would: the worker must hold it.
+    monkeypatch.setattr(transport, "delay_ms_of", lambda message: 0)
+    options = {"lease_timeout": 1.5, "reclaim_interval": 0.3}
+    start_worker(transport_options=options, name="holder")
+    start_worker(transport_options=options, name="other")
+    eta = datetime.now(UTC) + timedelta(seconds=6)
+    record_run.apply_async((3,), eta=eta)
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=40)
+    time.sleep(2)
+    done = runs(record)
+    assert [run["n"] for run in done] == [3]
+    assert done[0]["started"] >= eta.timestamp() - 0.5
+
+
+def test_a_countdown_task_waits_in_redis_not_in_worker_memory(
+    celery_app, start_worker, record, redis_server, redis_db
+):
+    from tests.broker_ext.worker_app import record_run
+
+    record_run.apply_async((5,), countdown=3)
+    queue = queue_of(redis_server, redis_db)
+    assert queue.stats().delayed == 1 and queue.stats().ready == 0
+    start_worker(transport_options={"lease_timeout": 1})
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=30)
+    assert [run["n"] for run in runs(record)] == [5]
+
+
+def test_warm_shutdown_gives_held_messages_back_at_once(
+    celery_app, start_worker, record, redis_server, redis_db
+):
+    from tests.broker_ext.worker_app import record_run
+
+    worker = start_worker(prefetch=5, transport_options={"lease_timeout": 60})
+    for n in range(10):
+        record_run.delay(n, sleep=1)
+    queue = queue_of(redis_server, redis_db)
+    assert wait_for(lambda: queue.stats().leased >= 3 and record.llen("runs") >= 1, timeout=30)
+    assert worker.warm_shutdown() == 0
+    finished = record.llen("finished")
+    stats = queue.stats()
+    assert stats.leased == 0, "held messages must go back at shutdown, not wait for the 60 s lease"
+    assert stats.ready + finished == 10
+
+
+def test_remote_control_purge_and_queue_size_work(celery_app, start_worker, record, redis_server, redis_db):
+    from tests.broker_ext.worker_app import record_run
+
+    start_worker(name="pinged")
+    replies = []
+    assert wait_for(
+        lambda: replies.extend(celery_app.control.inspect(timeout=1).ping() or {}) or replies, timeout=30
+    )
+    assert any(name.startswith("pinged@") for name in replies)
+    celery_app.control.cancel_consumer("tests", reply=True, timeout=3)
+    for n in range(4):
+        record_run.delay(n)
+    with celery_app.connection_for_write() as conn:
+        assert conn.default_channel.queue_declare("tests", passive=True).message_count == 4
+    assert celery_app.control.purge() == 4
+    assert queue_of(redis_server, redis_db).stats().ready == 0
+
+
+def test_task_events_reach_an_event_receiver(celery_app, start_worker, record):
+    """Events are pub/sub: the task is sent once the receiver is subscribed (first heartbeat seen)."""
+    from tests.broker_ext.worker_app import record_run
+
+    start_worker(events=True)
+    seen: list[str] = []
+
+    def on_event(event: dict) -> None:
+        if not seen:
+            record_run.delay(1)
+        seen.append(event["type"])
+        receiver.should_stop = event["type"] == "task-succeeded"
+
+    with celery_app.connection() as conn:
+        receiver = celery_app.events.Receiver(conn, handlers={"*": on_event})
+        with contextlib.suppress(TimeoutError):
+            receiver.capture(limit=500, timeout=40, wakeup=False)
+    assert "task-received" in seen and "task-succeeded" in seen

@@ -1,0 +1,326 @@
+"""Every Lua operation, through FencedQueue, against a real redis-server: happy paths and refusals."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+
+from broker_ext.errors import PublishRefused, ScriptRefused
+from broker_ext.keys import QueueKeys
+from broker_ext.queue import Delivery, FencedQueue, OutgoingMessage, QueueOptions
+from broker_ext.scripts import SCRIPT_NAMES, Reply, source
+
+HASH_KEYS = {"bodies", "state", "reasons", "stats"}
+
+
+def message(message_id: str, body: str = "{}", **kwargs) -> OutgoingMessage:
+    return OutgoingMessage(message_id=message_id, payload=body, **kwargs)
+
+
+@pytest.fixture
+def queue(redis_client) -> FencedQueue:
+    return FencedQueue(redis_client, "jobs", options=QueueOptions(lease_ms=300, max_deliveries=3))
+
+
+def snapshot(client: redis.Redis) -> dict:
+    """Every key and its serialized value: equal snapshots mean nothing was written."""
+    return {key: client.dump(key) for key in sorted(client.keys("*"))}
+
+
+def test_every_script_declares_shebang_flags_and_documents_its_keys():
+    for name in SCRIPT_NAMES:
+        text = source(name)
+        assert text.startswith("#!lua"), name
+        assert "KEYS[1]" in text and "Reply" in text, name
+
+
+def test_publish_stores_once_and_a_resent_publish_is_a_duplicate(queue):
+    assert queue.publish([message("a")]) == [Reply.OK]
+    assert queue.publish([message("a")]) == [Reply.DUPLICATE]
+    assert queue.size() == 1
+    assert queue.stats().counters["duplicate_publishes"] == 1
+
+
+def test_publish_of_an_id_acked_within_the_window_is_a_duplicate(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+    assert queue.publish([message("a")]) == [Reply.DUPLICATE]
+    assert queue.size() == 0
+
+
+def test_dedup_key_deduplicates_logically_equal_publishes_within_its_window(queue, redis_client):
+    first = message("a", dedup_key="charge:1", dedup_window_ms=200)
+    second = message("b", dedup_key="charge:1", dedup_window_ms=200)
+    assert queue.publish([first]) == [Reply.OK]
+    assert queue.publish([second]) == [Reply.DEDUPLICATED]
+    logged = json.loads(redis_client.lindex(queue.keys.dedups, 0))
+    assert logged["id"] == "b" and logged["kept"] == "a"
+    time.sleep(0.3)
+    assert queue.publish([second]) == [Reply.OK]
+
+
+def test_batch_publish_replies_per_message(queue):
+    assert queue.publish([message("a"), message("b"), message("a")]) == [Reply.OK, Reply.OK, Reply.DUPLICATE]
+
+
+def test_claim_takes_priority_zero_first_then_fifo(queue):
+    queue.publish([message("low1", priority=5), message("high", priority=0), message("low2", priority=5)])
+    claimed = queue.claim(3)
+    assert [c.delivery.message_id for c in claimed] == ["high", "low1", "low2"]
+
+
+def test_claim_leases_with_a_token_from_server_time(queue, redis_client):
+    queue.publish([message("a", body='{"x": 1}')])
+    (claimed,) = queue.claim()
+    server_us = int(redis_client.time()[0]) * 1_000_000
+    assert abs(claimed.delivery.token - server_us) < 5_000_000
+    assert claimed.delivery.deliveries == 1
+    assert claimed.payload == b'{"x": 1}'
+    assert queue.stats().leased == 1 and queue.stats().ready == 0
+
+
+def test_claim_batch_takes_up_to_count_in_one_call(queue):
+    queue.publish([message(str(i)) for i in range(10)])
+    assert len(queue.claim(7)) == 7
+    assert len(queue.claim(7)) == 3
+    assert queue.claim(7) == []
+
+
+def test_a_resent_claim_returns_the_first_answer_instead_of_leasing_more(queue):
+    queue.publish([message("a"), message("b"), message("c")])
+    first = queue.claim(2, request_id="req-1")
+    again = queue.claim(2, request_id="req-1")
+    assert [c.delivery for c in again] == [c.delivery for c in first]
+    assert queue.stats().ready == 1
+
+
+def test_tokens_strictly_increase_across_redeliveries(queue):
+    queue.publish([message("a")])
+    tokens = []
+    for _ in range(3):
+        (claimed,) = queue.claim()
+        tokens.append(claimed.delivery.token)
+        queue.requeue([claimed.delivery], counted=False)
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+def test_ack_with_a_stale_token_is_refused_and_changes_nothing(queue, redis_client):
+    queue.publish([message("a")])
+    (old,) = queue.claim()
+    queue.requeue([old.delivery])
+    (new,) = queue.claim()
+    before = snapshot(redis_client)
+    assert queue.ack([old.delivery]) == [Reply.STALE]
+    assert queue.extend([old.delivery]) == [Reply.STALE]
+    assert queue.requeue([old.delivery]) == [Reply.STALE]
+    assert queue.dead_letter([old.delivery], "x") == [Reply.STALE]
+    assert snapshot(redis_client) == before
+    assert queue.ack([new.delivery]) == [Reply.OK]
+
+
+def test_a_resent_ack_is_already_acked_and_an_unknown_id_is_not_found(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+    assert queue.ack([claimed.delivery]) == [Reply.ALREADY_ACKED]
+    assert queue.ack([Delivery("jobs", "nope", 1)]) == [Reply.NOT_FOUND]
+
+
+def test_ack_after_reclaim_but_before_redelivery_finishes_the_message(queue):
+    """The slow holder's token is still current: its ack must remove the reclaimed copy (S4)."""
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    time.sleep(0.35)
+    assert queue.reclaim() == (1, 0)
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+    assert queue.claim() == []
+
+
+def test_extend_keeps_a_lease_alive_past_its_deadline(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    for _ in range(4):
+        time.sleep(0.15)
+        assert queue.extend([claimed.delivery]) == [Reply.OK]
+    assert queue.reclaim() == (0, 0)
+
+
+def test_extend_takes_back_a_reclaimed_message_nobody_claimed_yet(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    time.sleep(0.35)
+    queue.reclaim()
+    assert queue.extend([claimed.delivery]) == [Reply.OK]
+    assert queue.stats().ready == 0 and queue.stats().leased == 1
+
+
+def test_expired_leases_are_reclaimed_and_dead_lettered_past_max_deliveries(queue):
+    queue.publish([message("a")])
+    for delivery in range(1, 4):
+        (claimed,) = queue.claim()
+        assert claimed.delivery.deliveries == delivery
+        time.sleep(0.35)
+        expected = (1, 0) if delivery < 3 else (0, 1)
+        assert queue.reclaim() == expected
+    (letter,) = queue.dead_letters()
+    assert letter.message_id == "a" and letter.deliveries == 3
+    assert "max_deliveries 3" in letter.reason
+    assert queue.stats().dead == 1 and queue.claim() == []
+
+
+def test_counted_requeue_dead_letters_past_max_deliveries_and_unspent_requeue_does_not(queue):
+    queue.publish([message("a")])
+    for _ in range(5):
+        (claimed,) = queue.claim()
+        assert queue.requeue([claimed.delivery], counted=False) == [Reply.OK]
+    results = []
+    for _ in range(3):
+        (claimed,) = queue.claim()
+        results.append(queue.requeue([claimed.delivery], counted=True)[0])
+    assert results == [Reply.OK, Reply.OK, Reply.DEAD_LETTERED]
+
+
+def test_requeue_token_floor_makes_the_next_delivery_outrank_it(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    floor = claimed.delivery.token + 10_000_000_000
+    queue.requeue([claimed.delivery], token_floor=floor)
+    (again,) = queue.claim()
+    assert again.delivery.token > floor
+
+
+def test_requeue_with_delay_waits_in_the_delayed_set(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    queue.requeue([claimed.delivery], delay_ms=300)
+    assert queue.claim() == [] and queue.stats().delayed == 1
+    time.sleep(0.35)
+    assert [c.delivery.message_id for c in queue.claim()] == ["a"]
+
+
+def test_delayed_publish_becomes_ready_when_due_by_server_time(queue):
+    queue.publish([message("later", delay_ms=300), message("now")])
+    assert [c.delivery.message_id for c in queue.claim(5)] == ["now"]
+    time.sleep(0.35)
+    assert [c.delivery.message_id for c in queue.claim(5)] == ["later"]
+
+
+def test_dead_letter_keeps_the_body_and_revive_brings_it_back_with_a_higher_token(queue):
+    queue.publish([message("a", body='{"k": 1}')])
+    (claimed,) = queue.claim()
+    assert queue.dead_letter([claimed.delivery], "malformed body") == [Reply.DEAD_LETTERED]
+    (letter,) = queue.dead_letters()
+    assert letter.reason == "malformed body" and letter.payload == b'{"k": 1}'
+    assert queue.ack([claimed.delivery]) == [Reply.STALE]
+    assert queue.revive(["a", "missing"]) == [Reply.OK, Reply.NOT_FOUND]
+    (again,) = queue.claim()
+    assert again.delivery.token > claimed.delivery.token and again.delivery.deliveries == 1
+
+
+def test_force_dead_letter_needs_no_token(queue):
+    queue.publish([message("a")])
+    assert queue.force_dead_letter(["a", "b"], "operator") == [Reply.DEAD_LETTERED, Reply.NOT_FOUND]
+
+
+def test_purge_deletes_ready_messages_only(queue):
+    queue.publish([message(str(i)) for i in range(5)] + [message("later", delay_ms=10_000)])
+    queue.claim(1)
+    assert queue.purge(batch=2) == 4
+    stats = queue.stats()
+    assert (stats.ready, stats.leased, stats.delayed) == (0, 1, 1)
+
+
+def test_stats_report_depths_and_oldest_ready_age(queue):
+    queue.publish([message("a")])
+    time.sleep(0.2)
+    queue.publish([message("b", priority=3)])
+    stats = queue.stats()
+    assert stats.ready == 2 and stats.oldest_ready_age_s >= 0.15
+
+
+@pytest.mark.parametrize(
+    ("key_name", "operation"),
+    [
+        ("ready", lambda q: q.publish([message("x")])),
+        ("state", lambda q: q.claim(1)),
+        ("leases", lambda q: q.ack([Delivery("jobs", "a", 1)])),
+        ("done", lambda q: q.ack([Delivery("jobs", "a", 1)])),
+        ("leases", lambda q: q.extend([Delivery("jobs", "a", 1)])),
+        ("dead", lambda q: q.requeue([Delivery("jobs", "a", 1)])),
+        ("reasons", lambda q: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
+        ("seq", lambda q: q.reclaim()),
+        ("signal", lambda q: q.revive(["a"])),
+        ("bodies", lambda q: q.purge()),
+    ],
+)
+def test_a_wrong_typed_key_fails_the_script_with_no_partial_write(queue, redis_client, key_name, operation):
+    queue.publish([message("a")])
+    key = getattr(queue.keys, key_name)
+    redis_client.delete(key)
+    if key_name in HASH_KEYS:
+        redis_client.set(key, "not a hash")
+    else:
+        redis_client.hset(key, "not", "the right type")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="WRONGTYPE"):
+        operation(queue)
+    assert snapshot(redis_client) == before
+
+
+def test_bad_arguments_are_refused_before_any_write(queue, redis_client):
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="BADARG"):
+        queue.publish([message("a", priority=12)])
+    with pytest.raises(ScriptRefused, match="BADARG"):
+        queue.publish([message("bad\nid")])
+    assert snapshot(redis_client) == before
+
+
+def test_scripts_are_reloaded_transparently_after_script_flush(queue, redis_client):
+    queue.publish([message("a")])
+    redis_client.script_flush()
+    (claimed,) = queue.claim()
+    redis_client.script_flush()
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+
+
+def test_tokens_stay_monotonic_across_a_redis_restart(restartable_redis):
+    queue = FencedQueue(restartable_redis.client(), "jobs")
+    queue.publish([message("a")])
+    (first,) = queue.claim()
+    queue.requeue([first.delivery], counted=False)
+    restartable_redis.restart()
+    queue = FencedQueue(restartable_redis.client(), "jobs")
+    (second,) = queue.claim()
+    assert second.delivery.token > first.delivery.token
+
+
+def test_out_of_memory_refuses_publish_with_a_clear_error_while_ack_still_works(full_redis):
+    client = full_redis.client()
+    queue = FencedQueue(client, "jobs")
+    queue.publish([message("keep")])
+    (claimed,) = queue.claim()
+    big = "x" * 100_000
+    with pytest.raises(PublishRefused, match="out of memory"):
+        for i in range(200):
+            queue.publish([message(f"fill-{i}", body=big)])
+    stored = int(client.hlen(queue.keys.bodies))
+    assert int(client.hlen(queue.keys.state)) == stored
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+    assert queue.reclaim() == (0, 0)
+
+
+def test_all_keys_of_a_queue_share_one_cluster_slot_even_with_braces_in_the_name(redis_cluster):
+    node = redis_cluster.nodes[0].client()
+    for name in ["jobs", "celery", "we{ird}", "{x}", "a}b{c", "%7B"]:
+        keys = QueueKeys(name)
+        slots = {
+            node.execute_command("CLUSTER KEYSLOT", key)
+            for key in [*keys.all_static(), keys.dedup("k"), keys.claim_request("r")]
+        }
+        assert len(slots) == 1, name
+    assert QueueKeys("{x}").base != QueueKeys("%7Bx%7D").base

@@ -1,0 +1,236 @@
+"""One behaviour suite, run against stock ``redis://`` and ``fenced://`` side by side.
+
+Where the stock transport gets a behaviour wrong, its run is marked
+``xfail(strict=True)`` with the DESIGN.md failure it shows: the test is then
+proof of both the stock defect and the fenced fix, and turns red if either
+stops being true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from redis.crc import key_slot
+
+from broker_ext.keys import QueueKeys
+from tests.broker_ext.conftest import REPO, wait_for
+
+LEASE = 1.0
+
+
+def both(stock_failure: str | None = None):
+    """Parametrize over both transports; ``stock_failure`` marks the stock run as a known defect."""
+    stock = "stock"
+    if stock_failure:
+        stock = pytest.param("stock", marks=pytest.mark.xfail(strict=True, reason=stock_failure))
+    return pytest.mark.parametrize("transport", [stock, "fenced"])
+
+
+@pytest.fixture
+def broker_url(transport, redis_url, fenced_url) -> str:
+    return redis_url if transport == "stock" else fenced_url
+
+
+@pytest.fixture
+def options(transport) -> dict:
+    if transport == "stock":
+        return {"visibility_timeout": LEASE, "unacked_restore_throttle": 1, "unacked_restore_interval": 1}
+    return {"lease_timeout": LEASE, "reclaim_interval": 0.2}
+
+
+@pytest.fixture
+def connect(broker_url, options):
+    connections: list[Connection] = []
+
+    def make() -> Connection:
+        conn = Connection(broker_url, transport_options=options)
+        connections.append(conn)
+        return conn
+
+    yield make
+    for conn in connections:
+        conn.release()
+
+
+def publish(conn: Connection, queue: Queue, *bodies, **kwargs) -> None:
+    producer = Producer(conn.channel())
+    for body in bodies:
+        producer.publish(
+            body, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue], **kwargs
+        )
+
+
+def drain(conn: Connection, queue: Queue, *, seconds: float, ack: bool = True, prefetch: int = 10) -> list:
+    """Consume for ``seconds``; returns (body, message) pairs."""
+    got: list = []
+
+    def on_message(body, message) -> None:
+        got.append((body, message))
+        if ack:
+            message.ack()
+
+    with Consumer(conn.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=min(0.3, max(deadline - time.monotonic(), 0.01)))
+    return got
+
+
+@both()
+def test_direct_and_topic_routing_deliver_to_the_bound_queues(connect):
+    conn = connect()
+    topic = Exchange("events", type="topic")
+    orders = Queue("orders", topic, routing_key="order.*")
+    everything = Queue("everything", topic, routing_key="#")
+    producer = Producer(conn.channel())
+    for queue in (orders, everything):
+        queue(conn.channel()).declare()
+    producer.publish({"k": "created"}, exchange=topic, routing_key="order.created")
+    producer.publish({"k": "signup"}, exchange=topic, routing_key="user.signup")
+    assert sorted(b["k"] for b, _ in drain(conn, orders, seconds=1)) == ["created"]
+    assert sorted(b["k"] for b, _ in drain(conn, everything, seconds=1)) == ["created", "signup"]
+
+
+@both()
+def test_fanout_reaches_every_consumer(connect):
+    fanout = Exchange("broadcast", type="fanout")
+    queues = [Queue(f"listener-{i}", fanout, auto_delete=True) for i in range(2)]
+    conns = [connect() for _ in queues]
+    got: list[list] = [[], []]
+    consumers = [
+        Consumer(conn.channel(), [queue], callbacks=[lambda body, msg, i=i: (got[i].append(body), msg.ack())])
+        for i, (conn, queue) in enumerate(zip(conns, queues, strict=True))
+    ]
+    for consumer in consumers:
+        consumer.consume()
+    for conn in conns:  # subscribe before publishing: fanout is pub/sub
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.3)
+    Producer(connect().channel()).publish({"hello": 1}, exchange=fanout, routing_key="", declare=[fanout])
+    for i, conn in enumerate(conns):
+        wait_for(lambda conn=conn, i=i: bool(got[i]) or _drain_once(conn), timeout=3, interval=0)
+    assert got == [[{"hello": 1}], [{"hello": 1}]]
+
+
+def _drain_once(conn: Connection) -> bool:
+    with contextlib.suppress(TimeoutError):
+        conn.drain_events(timeout=0.2)
+    return False
+
+
+@both()
+def test_queue_size_and_purge(connect):
+    conn = connect()
+    queue = Queue("sized", Exchange("sized"), routing_key="sized")
+    publish(conn, queue, *[{"n": n} for n in range(5)])
+    bound = queue(conn.channel())
+    assert bound.queue_declare().message_count == 5
+    assert bound.purge() == 5
+    assert bound.queue_declare().message_count == 0
+
+
+@both()
+def test_priority_zero_is_consumed_first(connect):
+    conn = connect()
+    queue = Queue("prio", Exchange("prio"), routing_key="prio", max_priority=9)
+    publish(conn, queue, {"p": 9}, priority=9)
+    publish(conn, queue, {"p": 0}, priority=0)
+    assert [b["p"] for b, _ in drain(conn, queue, seconds=1, prefetch=1)][:1] == [0]
+
+
+@both("S2: a live consumer holding a message past visibility_timeout sees it delivered again")
+def test_a_live_consumer_holding_a_message_past_the_lease_keeps_it(connect):
+    holder, other = connect(), connect()
+    queue = Queue("held", Exchange("held"), routing_key="held")
+    publish(holder, queue, {"n": 1})
+    held: list = []
+    with Consumer(holder.channel(), [queue], callbacks=[lambda b, m: held.append(m)], prefetch_count=1):
+        assert wait_for(lambda: bool(held) or _drain_once(holder), timeout=5, interval=0)
+        stolen = drain(other, queue, seconds=LEASE * 4)
+        held[0].ack()
+    assert stolen == []
+
+
+@both("S4: an ack after the message was restored leaves the restored copy queued, to run again")
+def test_an_ack_after_the_lease_expired_leaves_no_copy_to_run_again(connect, transport):
+    slow, other = connect(), connect()
+    queue = Queue("slow", Exchange("slow"), routing_key="slow")
+    publish(slow, queue, {"n": 1})
+    held: list = []
+    with Consumer(
+        slow.channel(), [queue], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
+    ) as consumer:
+        assert wait_for(lambda: bool(held) or _drain_once(slow), timeout=5, interval=0)
+        if transport == "fenced":
+            consumer.channel.keeper.stop()  # the holder stalls: it stops extending its lease
+        time.sleep(LEASE * 1.5)
+        restore(other, queue, transport)
+        held[0].ack()
+    assert drain(other, queue, seconds=LEASE * 2) == []
+
+
+def restore(conn: Connection, queue: Queue, transport: str) -> None:
+    """Run the transport's own recovery of expired deliveries once."""
+    channel = conn.channel()
+    if transport == "stock":
+        channel.qos.restore_visible(num=100, interval=1)
+    else:
+        channel.fenced_queue(queue.name).reclaim_all()
+
+
+@both("S7: a late ack of an expired delivery deletes the live delivery's record; its crash then loses it")
+def test_a_late_ack_from_an_expired_delivery_cannot_lose_the_live_one(connect, broker_url, transport):
+    first, other = connect(), connect()
+    queue = Queue("late", Exchange("late"), routing_key="late")
+    publish(first, queue, {"n": 1})
+    held: list = []
+    with Consumer(
+        first.channel(), [queue], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
+    ) as consumer:
+        assert wait_for(lambda: bool(held) or _drain_once(first), timeout=5, interval=0)
+        if transport == "fenced":
+            consumer.channel.keeper.stop()
+        time.sleep(LEASE * 1.5)
+        restore(other, queue, transport)
+        live = subprocess.Popen(
+            [sys.executable, "-m", "tests.broker_ext.consumer_proc", broker_url, queue.name],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = live.stdout.readline()
+            assert json.loads(line)["body"] == {"n": 1}
+            held[0].ack()  # the late ack of the expired delivery
+        finally:
+            live.kill()  # the live delivery's worker dies before acking
+            live.wait(timeout=10)
+        held[0].channel.qos._delivered.clear()
+    time.sleep(LEASE * 1.5)
+    restore(other, queue, transport)
+    assert [b for b, _ in drain(other, queue, seconds=LEASE * 2)] == [{"n": 1}]
+
+
+@both("S6: a publish resent by the client (same task id) is queued twice")
+def test_a_resent_publish_of_the_same_task_is_stored_once(connect):
+    conn = connect()
+    queue = Queue("resent", Exchange("resent"), routing_key="resent")
+    headers = {"id": "task-42", "task": "charge", "retries": 0}
+    publish(conn, queue, {"n": 1}, {"n": 1}, headers=headers)
+    assert queue(conn.channel()).queue_declare().message_count == 1
+
+
+@both("S5: the unacked hash, its index and the queue live in different Cluster slots")
+def test_every_key_of_a_queue_lives_in_one_cluster_slot(transport):
+    if transport == "stock":
+        keys = ["celery", "unacked", "unacked_index"]
+    else:
+        keys = QueueKeys("celery").all_static()
+    assert len({key_slot(key.encode()) for key in keys}) == 1

@@ -1,0 +1,53 @@
+"""A Celery app for the transport's end-to-end tests, configured from the environment.
+
+``TEST_BROKER_URL`` is the broker (stock ``redis://`` or ``fenced://``),
+``TEST_RECORD_URL`` a Redis database where every task run is recorded with the
+delivery it came from, ``TEST_TRANSPORT_OPTIONS`` JSON transport options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+
+import broker_ext  # noqa: F401  (registers fenced://)
+
+app = Celery("fenced_tests", broker=os.environ.get("TEST_BROKER_URL", "fenced://127.0.0.1:6379/15"))
+app.conf.update(
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=int(os.environ.get("TEST_PREFETCH_MULTIPLIER", "1")),
+    broker_transport_options=json.loads(os.environ.get("TEST_TRANSPORT_OPTIONS", "{}")),
+    accept_content=["json"],
+    task_serializer="json",
+    task_ignore_result=True,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    task_default_queue="tests",
+)
+
+_record = redis.Redis.from_url(os.environ.get("TEST_RECORD_URL", "redis://127.0.0.1:6379/14"))
+
+
+@app.task(bind=True)
+def record_run(self, n: int, sleep: float = 0.0) -> None:
+    """Record the run (which delivery, which process), then take ``sleep`` seconds."""
+    properties = self.request.properties or {}
+    _record.rpush(
+        "runs",
+        json.dumps(
+            {
+                "n": n,
+                "token": properties.get("fence_token"),
+                "deliveries": properties.get("delivery_count"),
+                "pid": os.getpid(),
+                "started": time.time(),
+            }
+        ),
+    )
+    time.sleep(sleep)
+    _record.rpush("finished", n)
