@@ -43,6 +43,8 @@ for i = 2, #ARGV, 2 do
   if st then current, rest = string.match(st, '^(%d+)(|.*)$') end
   if not st then
     replies[#replies + 1] = -1
+  elseif redis.call('ZSCORE', KEYS[5], id) then
+    replies[#replies + 1] = 5  -- already dead-lettered (a resent call): nothing to do
   elseif token ~= '*' and current ~= token then
     replies[#replies + 1] = -2
   else

@@ -5,7 +5,8 @@ requeue: hand deliveries back, to the front of their priority (or delayed).
 Used for reject(requeue=True) (counted: the delivery is spent, and past
 max_deliveries the message is dead-lettered instead) and for a consumer giving
 back what it held at shutdown (not counted: the delivery never ran). The token
-is kept, so the next claim fences this holder off; ARGV[4] can raise it to a
+is kept, so the next claim fences this holder off; a delivery that is no longer
+leased (a resent requeue, or one reclaimed meanwhile) is reported OK unchanged; ARGV[4] can raise it to a
 floor (a token the database has already seen) so the next delivery outranks it.
 
 KEYS[1] leases  KEYS[2] state  KEYS[3] ready  KEYS[4] delayed  KEYS[5] seq
@@ -53,6 +54,9 @@ for i = 6, #ARGV, 2 do
     replies[#replies + 1] = -1
   elseif current ~= token then
     replies[#replies + 1] = -2
+  elseif not redis.call('ZSCORE', KEYS[1], id) then
+    -- Not leased: already requeued (a resent call) or reclaimed. Nothing to give back.
+    replies[#replies + 1] = 1
   else
     deliveries = tonumber(deliveries)
     if not counted and deliveries > 0 then deliveries = deliveries - 1 end

@@ -150,3 +150,42 @@ def test_task_events_reach_an_event_receiver(celery_app, start_worker, record):
         with contextlib.suppress(TimeoutError):
             receiver.capture(limit=500, timeout=40, wakeup=False)
     assert "task-received" in seen and "task-succeeded" in seen
+
+
+def test_a_killed_pool_process_s_task_is_requeued_at_once_with_reject_on_worker_lost(
+    celery_app, start_worker, record
+):
+    """acks_late + task_reject_on_worker_lost: the parent rejects with requeue; no lease wait."""
+    import os
+    import signal
+
+    from tests.broker_ext.worker_app import record_run
+
+    start_worker(pool="prefork", concurrency=2, transport_options={"lease_timeout": 120})
+    record_run.delay(9, sleep=30)
+    assert wait_for(lambda: record.llen("runs") == 1, timeout=30)
+    os.kill(runs(record)[0]["pid"], signal.SIGKILL)
+    assert wait_for(lambda: record.llen("runs") == 2, timeout=20), "requeue must not wait for the 120 s lease"
+    first, second = runs(record)
+    assert second["token"] > first["token"] and second["deliveries"] == 2
+
+
+def test_bad_input_is_dead_lettered_with_a_reason_and_the_worker_keeps_running(
+    celery_app, start_worker, record, redis_server, redis_db
+):
+    from broker_ext.queue import OutgoingMessage
+    from tests.broker_ext.worker_app import record_run
+
+    queue = queue_of(redis_server, redis_db)
+    queue.publish([OutgoingMessage("garbage", b"{not json")])
+    queue.publish([OutgoingMessage("no-envelope", b'{"body": "x"}')])
+    celery_app.send_task("no.such.task", args=(1,), queue="tests")
+    start_worker()
+    record_run.delay(11)
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=30)
+    assert wait_for(lambda: queue.stats().dead == 3, timeout=10)
+    reasons = {letter.message_id: letter.reason for letter in queue.dead_letters()}
+    assert reasons["garbage"].startswith("malformed body")
+    assert reasons["no-envelope"].startswith("malformed body")
+    assert "rejected by the consumer" in reasons.values()
+    assert queue.stats().ready == 0 and queue.stats().leased == 0

@@ -221,6 +221,17 @@ def test_dead_letter_keeps_the_body_and_revive_brings_it_back_with_a_higher_toke
     assert again.delivery.token > claimed.delivery.token and again.delivery.deliveries == 1
 
 
+def test_resent_requeue_and_dead_letter_calls_change_nothing_more(queue, redis_client):
+    queue.publish([message("a"), message("b")])
+    first, second = queue.claim(2)
+    assert queue.requeue([first.delivery], counted=True) == [Reply.OK]
+    assert queue.dead_letter([second.delivery], "bad") == [Reply.DEAD_LETTERED]
+    before = snapshot(redis_client)
+    assert queue.requeue([first.delivery], counted=True) == [Reply.OK]
+    assert queue.dead_letter([second.delivery], "bad") == [Reply.DEAD_LETTERED]
+    assert snapshot(redis_client) == before
+
+
 def test_force_dead_letter_needs_no_token(queue):
     queue.publish([message("a")])
     assert queue.force_dead_letter(["a", "b"], "operator") == [Reply.DEAD_LETTERED, Reply.NOT_FOUND]
