@@ -1,4 +1,9 @@
-"""Exceptions of the fenced transport: one root, at most two levels."""
+"""Exceptions of the fenced transport: one root, at most two levels.
+
+Redis errors are translated at the boundary (:mod:`broker_ext.queue`);
+:class:`RedisFull` is declared a recoverable channel error of the transport,
+so Kombu's ``ensure()`` (and Celery's publish retry) retries it.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,13 @@ class ScriptRefused(FencedError):
     """Raised when a script refuses its input (bad argument, wrong key type) and wrote nothing."""
 
 
-class StaleToken(FencedError):
-    """Raised when an operation presented a fencing token that is no longer current."""
-
-
 class PublishRefused(FencedError):
-    """Raised when Redis refused a publish (out of memory, wrong type); nothing was stored."""
+    """Raised when a publish was refused; nothing was stored."""
 
 
-class MalformedMessage(FencedError):
-    """Raised when a stored body cannot be decoded; the message is dead-lettered."""
+class RedisFull(PublishRefused):
+    """Raised when Redis is at maxmemory and refused a publish; retrying later can succeed."""
+
+
+class MessageTooLarge(PublishRefused):
+    """Raised when a message exceeds ``max_message_size``; retrying cannot succeed."""

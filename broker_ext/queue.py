@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from broker_ext.errors import PublishRefused, ScriptRefused
+from broker_ext.errors import RedisFull, ScriptRefused
 from broker_ext.keys import QueueKeys
 from broker_ext.scripts import Reply, Scripts, register
 
@@ -150,7 +150,7 @@ class FencedQueue:
         try:
             return script(keys=keys, args=args, client=client or self.client)
         except redis.exceptions.OutOfMemoryError:
-            raise PublishRefused(
+            raise RedisFull(
                 f"queue {self.name!r}: Redis is out of memory (maxmemory reached); nothing was written"
             ) from None
         except redis.exceptions.ResponseError as exc:

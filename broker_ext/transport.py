@@ -60,7 +60,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from broker_ext.batch import FencedPublishBatch
-from broker_ext.errors import FencedError, PublishRefused, ScriptRefused
+from broker_ext.errors import FencedError, MessageTooLarge, PublishRefused, RedisFull, ScriptRefused
 from broker_ext.keys import queue_of_signal_key
 from broker_ext.lease_keeper import LeaseKeeper
 from broker_ext.qos import FencedQoS, delivery_of
@@ -210,7 +210,7 @@ class Channel(kombu_redis.Channel):
         payload = dumps(message)
         size = len(payload.encode()) if isinstance(payload, str) else len(payload)
         if size > self.max_message_size:
-            raise PublishRefused(
+            raise MessageTooLarge(
                 f"message of {size} bytes exceeds max_message_size ({self.max_message_size}); not published"
             )
         headers = message.get("headers") or {}
@@ -418,6 +418,9 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
     driver_type = "redis"
     driver_name = "fenced"
+    #: A full Redis refuses publishes before they start: Kombu's ensure() may retry them.
+    recoverable_channel_errors = (RedisFull,)
+    channel_errors = (*kombu_redis.Transport.channel_errors, ScriptRefused, PublishRefused)
 
     def __init__(self, client, *args, **kwargs) -> None:
         if client.transport_cls == "fenceds" and not client.ssl:
