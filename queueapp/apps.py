@@ -7,3 +7,8 @@ class QueueappConfig(AppConfig):
     name = "queueapp"
     verbose_name = "Task queue"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from queueapp import signals
+
+        signals.connect()

@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from broker_ext.queue import FencedQueue
-from tests.broker_ext.conftest import runs, wait_for
+from lab.processes import wait_for
+from tests.helpers import runs
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from redis.crc import key_slot
 
 from broker_ext.keys import QueueKeys
-from tests.broker_ext.conftest import REPO, wait_for
+from lab.processes import REPO, wait_for
 
 LEASE = 1.0
 

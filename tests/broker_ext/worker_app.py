@@ -20,7 +20,6 @@ app = Celery("fenced_tests", broker=os.environ.get("TEST_BROKER_URL", "fenced://
 app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=int(os.environ.get("TEST_PREFETCH_MULTIPLIER", "1")),
     broker_transport_options=json.loads(os.environ.get("TEST_TRANSPORT_OPTIONS", "{}")),
     accept_content=["json"],
     task_serializer="json",

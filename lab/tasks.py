@@ -1,0 +1,59 @@
+"""The tasks the fault lab and the benchmark run in real workers (``--include lab.tasks``).
+
+``fenced_effect`` is the exactly-once version of a task whose effect is one
+:class:`~lab.models.Effect` row written in its transaction; ``stock_effect``
+writes the same row with no decorator, as a plain Celery task on the stock
+transport would. ``noop`` and ``noop_exactly_once`` measure the cost of the
+machinery itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import shared_task
+
+from lab.models import Effect
+from queueapp import current_delivery, exactly_once
+
+
+def _write_effect(task, run: str, label: str) -> None:
+    context = current_delivery()
+    Effect.objects.create(
+        run=run,
+        label=label,
+        token=context.token if context is not None else task.request.properties.get("fence_token"),
+        worker=str(task.request.hostname or ""),
+        pid=os.getpid(),
+    )
+
+
+@exactly_once
+@shared_task(bind=True, name="lab.fenced_effect")
+def fenced_effect(self, run: str, label: str, sleep: float = 0.0) -> str:
+    """One effect under the commit rule, then an optional sleep inside the transaction."""
+    _write_effect(self, run, label)
+    time.sleep(sleep)
+    return label
+
+
+@shared_task(bind=True, name="lab.stock_effect")
+def stock_effect(self, run: str, label: str, sleep: float = 0.0) -> str:
+    """The same effect with no idempotency record: a redelivery writes it again."""
+    _write_effect(self, run, label)
+    time.sleep(sleep)
+    return label
+
+
+@shared_task(name="lab.noop")
+def noop(n: int = 0) -> int:
+    """Does nothing: the per-task cost of Celery and the transport."""
+    return n
+
+
+@exactly_once
+@shared_task(name="lab.noop_exactly_once")
+def noop_exactly_once(n: int = 0) -> int:
+    """Does nothing under the commit rule: the cost of the idempotency record."""
+    return n

@@ -1,0 +1,87 @@
+"""queueapp's settings: one ``QUEUEAPP`` dict in Django settings, read lazily, with defaults.
+
+Every value is looked up when it is used, never at import time, so tests
+(``override_settings``) and late configuration see the current value.
+
+``QUEUEAPP = {...}`` keys and defaults:
+
+``DATABASE`` (``"default"``)
+    Database alias of the idempotency records. The task body's writes are
+    exactly-once only on this database: its transaction is the one that
+    commits the success.
+``CACHE`` (``"default"``)
+    Cache alias for the already-succeeded fast path; ``None`` turns it off.
+``CACHE_TIMEOUT`` (``86400``)
+    Seconds a success stays in the cache.
+``AUDIT_CACHED_DUPLICATES`` (``True``)
+    A duplicate caught by the cache is still written to the delivery log (one
+    short write, no lock wait on the body). ``False``: it is only logged.
+``RECORD_QUEUED`` (``True``)
+    Publishing an exactly-once task records its outcome row as *queued*.
+``DEFER_DELAY`` (``1.0``)
+    Seconds before a delivery given back to the broker comes again (a token
+    below the database's, or the database unreachable).
+``LEASE_TIMEOUT`` (``None``)
+    Seconds written as the running delivery's lease deadline; ``None`` takes
+    the broker's ``lease_timeout`` transport option (default 30).
+``OUTBOX_BATCH_SIZE`` (``100``)
+    Rows one relay pass publishes at most.
+``OUTBOX_CLAIM_TIMEOUT`` (``30.0``)
+    Seconds a relay owns the rows it took; a crashed relay's rows come back after.
+``OUTBOX_RETRY_DELAY`` (``2.0``) and ``OUTBOX_RETRY_MAX_DELAY`` (``60.0``)
+    Back-off of a row whose publish failed (doubling up to the maximum).
+``OUTBOX_WORKER_RELAY`` (``True``)
+    Each Celery worker runs a relay thread.
+``OUTBOX_RELAY_INTERVAL`` (``1.0``)
+    Seconds between two passes of the worker relay.
+``OUTBOX_PUBLISH_TIMEOUT`` (``5.0``)
+    Seconds one relay publish may take before the row is retried later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from queueapp.errors import ConfigurationError
+
+DEFAULTS: dict[str, Any] = {
+    "DATABASE": "default",
+    "CACHE": "default",
+    "CACHE_TIMEOUT": 86400,
+    "AUDIT_CACHED_DUPLICATES": True,
+    "RECORD_QUEUED": True,
+    "DEFER_DELAY": 1.0,
+    "LEASE_TIMEOUT": None,
+    "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_CLAIM_TIMEOUT": 30.0,
+    "OUTBOX_RETRY_DELAY": 2.0,
+    "OUTBOX_RETRY_MAX_DELAY": 60.0,
+    "OUTBOX_WORKER_RELAY": True,
+    "OUTBOX_RELAY_INTERVAL": 1.0,
+    "OUTBOX_PUBLISH_TIMEOUT": 5.0,
+}
+
+
+def get(name: str) -> Any:
+    """The current value of ``QUEUEAPP[name]``, or its default."""
+    if name not in DEFAULTS:
+        raise ConfigurationError(f"unknown queueapp setting {name!r}; known: {', '.join(DEFAULTS)}")
+    configured = getattr(settings, "QUEUEAPP", None) or {}
+    return configured.get(name, DEFAULTS[name])
+
+
+def unknown_keys() -> list[str]:
+    """Keys of ``QUEUEAPP`` this version does not know (for a system check: likely typos)."""
+    configured = getattr(settings, "QUEUEAPP", None) or {}
+    return sorted(set(configured) - set(DEFAULTS))
+
+
+def lease_timeout(app=None) -> float:
+    """Seconds of the broker lease, for the outcome's lease deadline (an estimate for ops)."""
+    configured = get("LEASE_TIMEOUT")
+    if configured is not None:
+        return float(configured)
+    options = (app.conf.broker_transport_options if app is not None else None) or {}
+    return float(options.get("lease_timeout", 30.0))

@@ -1,0 +1,96 @@
+"""What one delivery of a task is (from Celery's request) and what the running body may read.
+
+The fenced transport puts the delivery's fencing token and count into the
+message properties, which Celery copies to ``task.request.properties``. The
+stock ``redis://`` transport and eager mode carry none: the commit rule then
+falls back to a database-side counter (see :mod:`queueapp.ledger`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import socket
+from dataclasses import dataclass
+
+#: Message properties the fenced:// transport stamps on every delivery.
+FENCE_TOKEN = "fence_token"
+DELIVERY_COUNT = "delivery_count"
+FENCED_QUEUE = "fenced_queue"
+FENCED_MESSAGE_ID = "fenced_message_id"
+
+
+@dataclass(frozen=True)
+class DeliveryInfo:
+    """One delivery of one task message, as the commit rule needs it."""
+
+    task_id: str
+    task_name: str
+    retries: int = 0
+    token: int | None = None
+    delivery_count: int | None = None
+    queue: str = ""
+    message_id: str = ""
+    worker: str = ""
+    eager: bool = False
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the broker fenced this delivery (a token travels with it)."""
+        return self.token is not None
+
+    @classmethod
+    def from_request(cls, request, task_name: str) -> DeliveryInfo:
+        """Read a Celery request (``task.request``) into a :class:`DeliveryInfo`."""
+        properties = getattr(request, "properties", None) or {}
+        delivery_info = getattr(request, "delivery_info", None) or {}
+        token = properties.get(FENCE_TOKEN)
+        count = properties.get(DELIVERY_COUNT)
+        retries = int(getattr(request, "retries", 0) or 0)
+        task_id = str(request.id)
+        return cls(
+            task_id=task_id,
+            task_name=task_name,
+            retries=retries,
+            token=int(token) if token is not None else None,
+            delivery_count=int(count) if count is not None else None,
+            queue=str(properties.get(FENCED_QUEUE) or delivery_info.get("routing_key") or ""),
+            message_id=str(properties.get(FENCED_MESSAGE_ID) or f"{task_id}.{retries}"),
+            worker=str(getattr(request, "hostname", None) or socket.gethostname()),
+            eager=bool(getattr(request, "is_eager", False)),
+        )
+
+
+@dataclass(frozen=True)
+class ExactlyOnceContext:
+    """What a running exactly-once body may pass on to external systems.
+
+    ``key`` is the idempotency key (send it as the payment API's idempotency
+    key); ``token`` is this delivery's fencing token, strictly greater than
+    any earlier delivery's of the key that got to run, so an external system
+    that remembers the highest token it saw can refuse a late, older call.
+    """
+
+    key: str
+    token: int
+    token_source: str
+    attempt: int
+    outcome_id: int
+    delivery: DeliveryInfo
+
+
+_current: contextvars.ContextVar[ExactlyOnceContext | None] = contextvars.ContextVar(
+    "queueapp_exactly_once", default=None
+)
+
+
+def current_delivery() -> ExactlyOnceContext | None:
+    """The context of the exactly-once body running in this thread, or ``None`` outside one."""
+    return _current.get()
+
+
+def activate(context: ExactlyOnceContext) -> contextvars.Token:
+    return _current.set(context)
+
+
+def deactivate(token: contextvars.Token) -> None:
+    _current.reset(token)

@@ -1,0 +1,32 @@
+"""Exceptions of queueapp: one root, at most two levels."""
+
+from __future__ import annotations
+
+
+class QueueappError(Exception):
+    """Root of queueapp's exceptions."""
+
+
+class ConfigurationError(QueueappError):
+    """Raised when a ``QUEUEAPP`` setting or a decorator argument is invalid."""
+
+
+class IdempotencyKeyError(QueueappError):
+    """Raised when a key function fails or returns anything but a non-empty str of at most 255 characters."""
+
+
+class DeliveryRefused(QueueappError):
+    """Raised inside the task's transaction to roll its writes back: the delivery may not commit.
+
+    Internal control flow of the commit rule; the task's caller never sees it.
+    ``verdict`` is the :class:`~queueapp.models.TaskDelivery.Verdict` to log.
+    """
+
+    def __init__(self, verdict: str, detail: str) -> None:
+        super().__init__(detail)
+        self.verdict = verdict
+        self.detail = detail
+
+
+class OutboxError(QueueappError):
+    """Raised when an outbox row cannot be written (unknown task, arguments not JSON)."""

@@ -1,0 +1,179 @@
+"""One delivery of an exactly-once task, from the cache check to the committed success.
+
+The order matters and is the guarantee:
+
+1. the cache may say the key already succeeded: suppressed, no row lock;
+2. :func:`queueapp.ledger.claim` decides under the row lock: suppressed
+   (succeeded / dead), outranked (the database saw a token at least as high:
+   the delivery is given back to the broker with a higher token floor, never
+   committed and never acked away), or claimed (marked running with its token);
+3. :func:`queueapp.ledger.commit` runs the body and commits its writes with
+   the success, conditional on the token, or rolls everything back.
+
+Celery's ``self.retry()`` and ``autoretry_for`` are attempts of the same key:
+the retry message carries the same task id (the default key) or the same
+arguments (a key function), and a failed attempt leaves the key *queued*
+until the next attempt claims it; only the last failure marks it *failed*.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry
+from django.db import DatabaseError
+
+from queueapp import broker, cache, conf, ledger
+from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
+from queueapp.errors import DeliveryRefused
+
+logger = logging.getLogger(__name__)
+
+Verdict = ledger.Verdict
+
+
+def will_autoretry(task, exc: BaseException, retries: int) -> bool:
+    """Whether Celery's ``autoretry_for`` wrapper will turn ``exc`` into a retry.
+
+    That wrapper sits outside this layer (Celery installs it around the task's
+    ``run``), so the decision is mirrored here to log the attempt as *retried*
+    rather than *failed*.
+    """
+    if isinstance(exc, (Ignore, Retry, Reject)):
+        return False
+    autoretry_for = tuple(getattr(task, "autoretry_for", ()) or ())
+    if not autoretry_for or not isinstance(exc, autoretry_for):
+        return False
+    dont = tuple(getattr(task, "dont_autoretry_for", ()) or ())
+    if dont and isinstance(exc, dont):
+        return False
+    max_retries = (getattr(task, "retry_kwargs", None) or {}).get("max_retries", task.max_retries)
+    return max_retries is None or retries < max_retries
+
+
+def execute(
+    task,
+    key: str,
+    body: Callable[[], Any],
+    args: tuple,
+    kwargs: dict,
+    delivery: DeliveryInfo | None = None,
+) -> Any:
+    """Run ``body`` for one delivery of ``task`` under the commit rule; returns the task's result.
+
+    A suppressed duplicate returns the stored result of the success; a refused
+    or deferred delivery returns ``None``. Either way the delivery is acked
+    normally: a deferred one was already requeued with a new token, so its
+    late ack is refused by the broker as stale.
+    """
+    delivery = delivery or DeliveryInfo.from_request(task.request, task.name)
+    args_list, kwargs_dict = list(args), dict(kwargs)
+
+    cached = cache.succeeded(key)
+    if cached is not None:
+        logger.info("suppressed duplicate of %s [%s] (cache): already succeeded", task.name, key)
+        if conf.get("AUDIT_CACHED_DUPLICATES"):
+            try:
+                ledger.record_cached_duplicate(key, delivery)
+            except DatabaseError as exc:
+                logger.warning("could not log the cached duplicate of %s: %r", key, exc)
+        return cached.result
+
+    try:
+        decision = ledger.claim(
+            key, delivery, args=args_list, kwargs=kwargs_dict, lease_seconds=conf.lease_timeout(task.app)
+        )
+    except DatabaseError as exc:
+        return _database_unavailable(task, key, delivery, exc)
+
+    if isinstance(decision, ledger.Suppressed):
+        logger.info("suppressed duplicate of %s [%s]: key already %s", task.name, key, decision.status)
+        if decision.status == ledger.Status.SUCCEEDED:
+            cache.remember(key, decision.result)
+            return decision.result
+        return None
+    if isinstance(decision, ledger.Outranked):
+        return _outranked(task, key, delivery, decision)
+
+    claim = decision
+    context = ExactlyOnceContext(
+        key=key,
+        token=claim.token,
+        token_source=claim.token_source,
+        attempt=claim.attempt,
+        outcome_id=claim.outcome_id,
+        delivery=delivery,
+    )
+    reset = activate(context)
+    try:
+        return ledger.commit(claim, body)
+    except DeliveryRefused as refusal:
+        logger.warning("delivery of %s [%s] refused, nothing committed: %s", task.name, key, refusal.detail)
+        _record(ledger.record_refusal, claim, refusal)
+        return None
+    except Retry as exc:
+        _record(ledger.record_failure, claim, exc, retrying=True)
+        raise
+    except Reject as exc:
+        _record(ledger.record_failure, claim, exc, retrying=bool(exc.requeue))
+        raise
+    except Exception as exc:
+        _record(ledger.record_failure, claim, exc, retrying=will_autoretry(task, exc, delivery.retries))
+        raise
+    finally:
+        deactivate(reset)
+
+
+def _record(writer, *args, **kwargs) -> None:
+    """Write a verdict without masking the exception being handled if the database fails too."""
+    try:
+        writer(*args, **kwargs)
+    except DatabaseError as exc:
+        logger.error("could not record the verdict of an exactly-once delivery: %r", exc)
+
+
+def _outranked(task, key: str, delivery: DeliveryInfo, outranked: ledger.Outranked) -> None:
+    """The database saw a token >= this delivery's: never commit, and never let the message go.
+
+    A newer delivery of the same message makes this one stale: drop it. Any
+    other case (a failover handed out a lower token, or a different message of
+    the same key was claimed later) gives the message back with a token floor
+    above the database's, so its next delivery outranks everything seen.
+    """
+    floor = outranked.stored_token + 1
+    deferral = broker.defer(task.app, delivery, token_floor=floor, delay=conf.get("DEFER_DELAY"))
+    if deferral in (broker.Deferral.STALE, broker.Deferral.GONE):
+        detail = f"token {delivery.token} <= {outranked.stored_token} and the broker has a newer delivery"
+        logger.warning("stale delivery of %s [%s] refused: %s", task.name, key, detail)
+        _record(ledger.record_outranked, outranked, delivery, Verdict.REFUSED_STALE, detail)
+        return None
+    if deferral is broker.Deferral.DEFERRED:
+        detail = f"token {delivery.token} <= {outranked.stored_token}: requeued with token floor {floor}"
+        logger.warning("delivery of %s [%s] deferred: %s", task.name, key, detail)
+        _record(ledger.record_outranked, outranked, delivery, Verdict.DEFERRED, detail)
+        return None
+    detail = (
+        f"token {delivery.token} <= {outranked.stored_token}; broker unreachable: rejected for redelivery"
+    )
+    logger.warning("delivery of %s [%s] rejected: %s", task.name, key, detail)
+    _record(ledger.record_outranked, outranked, delivery, Verdict.DEFERRED, detail)
+    raise Reject(detail, requeue=True)
+
+
+def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseError) -> None:
+    """The row could not be locked (database down, lock timeout): the delivery goes back, counted.
+
+    Counted, so that a database that stays down ends in the dead-letter set
+    (visible, revivable) instead of a hot loop. Without the fenced transport
+    the error propagates as Celery's own failure handling would have it.
+    """
+    floor = (delivery.token or 0) + 1
+    deferral = broker.defer(
+        task.app, delivery, token_floor=floor, delay=conf.get("DEFER_DELAY"), counted=True
+    )
+    if deferral is broker.Deferral.DEFERRED:
+        logger.warning("database unavailable for %s [%s]: delivery given back (%r)", task.name, key, exc)
+        return None
+    raise exc

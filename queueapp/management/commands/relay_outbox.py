@@ -1,0 +1,66 @@
+"""``manage.py relay_outbox``: publish pending outbox rows (drain once, or keep relaying)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from django.core.management.base import BaseCommand
+
+from queueapp import conf
+from queueapp.outbox import pending, relay_outbox
+
+
+class Command(BaseCommand):
+    help = (
+        "Publish the pending rows of the transactional outbox to the broker. Safe to run "
+        "alongside the worker relays: publishing is idempotent by task id."
+    )
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument(
+            "--limit", type=int, default=None, help="rows per pass (default OUTBOX_BATCH_SIZE)"
+        )
+        parser.add_argument("--loop", action="store_true", help="keep relaying until interrupted")
+        parser.add_argument("--interval", type=float, default=None, help="seconds between passes with --loop")
+        parser.add_argument("--dry-run", action="store_true", help="list what is due; publish nothing")
+        parser.add_argument("--json", action="store_true", dest="as_json", help="print a JSON summary")
+
+    def handle(self, *args, limit=None, loop=False, interval=None, dry_run=False, as_json=False, **options):
+        if dry_run:
+            rows = pending(limit)
+            if as_json:
+                self.stdout.write(json.dumps([{"task_id": r.task_id, "task": r.task_name} for r in rows]))
+            else:
+                for row in rows:
+                    self.stdout.write(
+                        f"would publish {row.task_name} {row.task_id} (attempts {row.relay_attempts})"
+                    )
+                self.stdout.write(f"{len(rows)} due")
+            return
+        batch = limit or conf.get("OUTBOX_BATCH_SIZE")
+        interval = interval if interval is not None else conf.get("OUTBOX_RELAY_INTERVAL")
+        passes = sent = failed = 0
+        try:
+            while True:
+                report = relay_outbox(limit=batch)
+                passes += 1
+                sent += len(report.sent)
+                failed += len(report.failed)
+                if not as_json and (report.sent or report.failed):
+                    self.stdout.write(
+                        f"pass {passes}: {len(report.sent)} published, {len(report.failed)} failed"
+                    )
+                for task_id, error in report.failed.items():
+                    self.stderr.write(f"{task_id}: {error}")
+                drained = len(report.sent) + len(report.failed) < batch
+                if drained and not loop:
+                    break
+                if drained:
+                    time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        if as_json:
+            self.stdout.write(json.dumps({"passes": passes, "sent": sent, "failed": failed}))
+        else:
+            self.stdout.write(self.style.SUCCESS(f"{sent} published, {failed} failed"))

@@ -1,0 +1,260 @@
+"""The idempotency records: one outcome per key, one log row per delivery, and the outbox.
+
+``TaskOutcome`` is the fencing resource of the exactly-once layer: its
+``fence_token`` is the highest token the database has seen for the key, and a
+delivery commits its success only by a conditional update of this row, in the
+same transaction as the task body's own writes. ``TaskDelivery`` is the audit
+trail ops read when asking "did this run twice?". ``OutboxMessage`` holds task
+publishes written in the caller's transaction, relayed to the broker later.
+"""
+
+from __future__ import annotations
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+
+class TaskOutcome(models.Model):
+    """What happened to one idempotency key: at most one success, ever."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", _("queued")
+        RUNNING = "running", _("running")
+        SUCCEEDED = "succeeded", _("succeeded")
+        FAILED = "failed", _("failed")
+        DEAD = "dead", _("dead")
+
+    idempotency_key = models.CharField(
+        _("idempotency key"),
+        max_length=255,
+        unique=True,
+        help_text=_("The key the task's effects are deduplicated on (default: the Celery task id)."),
+    )
+    task_name = models.CharField(_("task name"), max_length=255, help_text=_("Registered Celery task name."))
+    queue = models.CharField(
+        _("queue"), max_length=255, blank=True, help_text=_("Queue the latest delivery came from.")
+    )
+    status = models.CharField(
+        _("status"),
+        max_length=16,
+        choices=Status.choices,
+        default=Status.QUEUED,
+        help_text=_("Lifecycle state."),
+    )
+    args = models.JSONField(
+        encoder=DjangoJSONEncoder,
+        verbose_name=_("args"),
+        default=list,
+        blank=True,
+        help_text=_("Positional arguments (JSON)."),
+    )
+    kwargs = models.JSONField(
+        encoder=DjangoJSONEncoder,
+        verbose_name=_("kwargs"),
+        default=dict,
+        blank=True,
+        help_text=_("Keyword arguments (JSON)."),
+    )
+    attempts = models.PositiveIntegerField(
+        _("attempts"),
+        default=0,
+        help_text=_("Times the body ran (first run, Celery retries and redeliveries that got to run)."),
+    )
+    deliveries = models.PositiveIntegerField(
+        _("deliveries"), default=0, help_text=_("Deliveries seen, duplicates and refusals included.")
+    )
+    fence_token = models.BigIntegerField(
+        _("fencing token"),
+        default=0,
+        help_text=_("Highest fencing token seen for this key; a lower or equal one never commits."),
+    )
+    worker = models.CharField(
+        _("worker"), max_length=255, blank=True, help_text=_("Hostname of the worker of the latest run.")
+    )
+    task_id = models.CharField(
+        _("task id"), max_length=255, blank=True, help_text=_("Celery task id of the latest delivery.")
+    )
+    message_id = models.CharField(
+        _("message id"),
+        max_length=255,
+        blank=True,
+        help_text=_("Broker message id of the latest delivery (task id and retry number)."),
+    )
+    queued_at = models.DateTimeField(
+        _("queued at"), default=timezone.now, help_text=_("When first recorded.")
+    )
+    eta = models.DateTimeField(
+        _("ETA"), null=True, blank=True, help_text=_("Earliest time the task was asked to run, if any.")
+    )
+    first_started_at = models.DateTimeField(_("first started at"), null=True, blank=True)
+    last_started_at = models.DateTimeField(_("last started at"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    lease_deadline = models.DateTimeField(
+        _("lease deadline"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When the running delivery's broker lease ends unless extended (estimate, for the stuck view)."
+        ),
+    )
+    result = models.JSONField(
+        encoder=DjangoJSONEncoder,
+        verbose_name=_("result"),
+        null=True,
+        blank=True,
+        help_text=_("Return value of the success."),
+    )
+    error = models.TextField(_("error"), blank=True, help_text=_("Last error (type and message)."))
+    traceback = models.TextField(_("traceback"), blank=True, help_text=_("Traceback of the last error."))
+    suppressed_duplicates = models.PositiveIntegerField(
+        _("suppressed duplicates"),
+        default=0,
+        help_text=_("Deliveries suppressed because the key had already succeeded (or was dead)."),
+    )
+    stale_refusals = models.PositiveIntegerField(
+        _("stale refusals"),
+        default=0,
+        help_text=_("Deliveries refused because a newer fencing token had been seen."),
+    )
+    deferrals = models.PositiveIntegerField(
+        _("deferrals"),
+        default=0,
+        help_text=_("Deliveries given back to the broker with a higher token floor (e.g. after a failover)."),
+    )
+    updated_at = models.DateTimeField(_("updated at"), default=timezone.now)
+
+    class Meta:
+        verbose_name = _("task outcome")
+        verbose_name_plural = _("task outcomes")
+        ordering = ("-queued_at",)
+        indexes = [
+            models.Index(fields=["status", "-last_started_at"], name="queueapp_outcome_status_idx"),
+            models.Index(fields=["task_name"], name="queueapp_outcome_task_idx"),
+            models.Index(fields=["queue"], name="queueapp_outcome_queue_idx"),
+            models.Index(fields=["-last_started_at"], name="queueapp_outcome_started_idx"),
+            models.Index(fields=["-queued_at"], name="queueapp_outcome_queued_idx"),
+            models.Index(fields=["status", "lease_deadline"], name="queueapp_outcome_lease_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} [{self.idempotency_key}] {self.status}"
+
+    @property
+    def is_duplicated(self) -> bool:
+        """Whether any delivery of this key was suppressed or refused (the admin's *duplicated* filter)."""
+        return bool(self.suppressed_duplicates or self.stale_refusals)
+
+
+class TaskDelivery(models.Model):
+    """One delivery of one key: which token, which worker, and what the layer decided."""
+
+    class Verdict(models.TextChoices):
+        STARTED = "started", _("started (no verdict yet)")
+        EXECUTED = "executed", _("executed and committed")
+        SUPPRESSED_DUPLICATE = "suppressed_duplicate", _("suppressed duplicate")
+        REFUSED_STALE = "refused_stale", _("refused: stale token")
+        DEFERRED = "deferred", _("deferred: token below the database's")
+        RETRIED = "retried", _("failed, retry scheduled")
+        FAILED = "failed", _("failed")
+
+    class TokenSource(models.TextChoices):
+        BROKER = "broker", _("broker (fenced://)")
+        DATABASE = "database", _("database counter")
+
+    outcome = models.ForeignKey(
+        TaskOutcome,
+        on_delete=models.CASCADE,
+        related_name="delivery_log",
+        verbose_name=_("outcome"),
+    )
+    fence_token = models.BigIntegerField(_("fencing token"), help_text=_("Token this delivery presented."))
+    token_source = models.CharField(
+        _("token source"),
+        max_length=16,
+        choices=TokenSource.choices,
+        default=TokenSource.BROKER,
+        help_text=_("Where the token came from: the broker, or the database fallback without fenced://."),
+    )
+    delivery_count = models.PositiveIntegerField(
+        _("delivery count"),
+        null=True,
+        blank=True,
+        help_text=_("Broker's delivery count of the message (1: first)."),
+    )
+    retries = models.PositiveIntegerField(_("retries"), default=0, help_text=_("Celery retry number."))
+    worker = models.CharField(_("worker"), max_length=255, blank=True)
+    task_id = models.CharField(_("task id"), max_length=255, blank=True)
+    message_id = models.CharField(_("message id"), max_length=255, blank=True)
+    queue = models.CharField(_("queue"), max_length=255, blank=True)
+    verdict = models.CharField(
+        _("verdict"),
+        max_length=32,
+        choices=Verdict.choices,
+        default=Verdict.STARTED,
+        help_text=_("What this delivery did."),
+    )
+    detail = models.TextField(_("detail"), blank=True, help_text=_("Why, or the error of a failed run."))
+    started_at = models.DateTimeField(_("started at"), default=timezone.now)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("task delivery")
+        verbose_name_plural = _("task deliveries")
+        ordering = ("-started_at", "-id")
+        indexes = [
+            models.Index(fields=["outcome", "-started_at"], name="queueapp_delivery_outcome_idx"),
+            models.Index(fields=["verdict"], name="queueapp_delivery_verdict_idx"),
+            models.Index(fields=["-started_at"], name="queueapp_delivery_started_idx"),
+            models.Index(fields=["task_id"], name="queueapp_delivery_task_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_id or self.outcome_id} token {self.fence_token}: {self.verdict}"
+
+
+class OutboxMessage(models.Model):
+    """A task publish written in the caller's transaction, relayed to the broker after commit.
+
+    The fixed ``task_id`` makes relaying idempotent: the fenced transport's
+    publish is idempotent on ``<task_id>.<retries>``, so a message relayed twice
+    (relay crashed before marking it sent) is stored once.
+    """
+
+    class Status(models.TextChoices):
+        PENDING = "pending", _("pending")
+        SENT = "sent", _("sent")
+
+    task_name = models.CharField(_("task name"), max_length=255)
+    task_id = models.CharField(_("task id"), max_length=255, unique=True)
+    idempotency_key = models.CharField(_("idempotency key"), max_length=255, blank=True)
+    args = models.JSONField(encoder=DjangoJSONEncoder, verbose_name=_("args"), default=list, blank=True)
+    kwargs = models.JSONField(encoder=DjangoJSONEncoder, verbose_name=_("kwargs"), default=dict, blank=True)
+    options = models.JSONField(
+        encoder=DjangoJSONEncoder,
+        verbose_name=_("publish options"),
+        default=dict,
+        blank=True,
+        help_text=_("apply_async options (queue, countdown, priority, headers...)."),
+    )
+    status = models.CharField(_("status"), max_length=16, choices=Status.choices, default=Status.PENDING)
+    relay_attempts = models.PositiveIntegerField(_("relay attempts"), default=0)
+    last_error = models.TextField(_("last error"), blank=True)
+    created_at = models.DateTimeField(_("created at"), default=timezone.now)
+    available_at = models.DateTimeField(
+        _("available at"), default=timezone.now, help_text=_("Not relayed before this time (back-off).")
+    )
+    sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("outbox message")
+        verbose_name_plural = _("outbox messages")
+        ordering = ("created_at", "id")
+        indexes = [
+            models.Index(fields=["status", "available_at"], name="queueapp_outbox_pending_idx"),
+            models.Index(fields=["-created_at"], name="queueapp_outbox_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} {self.task_id} ({self.status})"

@@ -1,0 +1,27 @@
+"""Plain helpers the tests import (fixtures live in the ``conftest.py`` files)."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+
+def reset_connections(app) -> None:
+    """Drop a Celery app's cached connection and producer pools (each test has its own broker)."""
+    if app._pool is not None:
+        app._pool.force_close_all()
+    app._pool = None
+    app.amqp._producer_pool = None
+
+
+def is_postgres() -> bool:
+    """Whether the test database is PostgreSQL (row locks) rather than SQLite (one writer)."""
+    from django.db import connection
+
+    return connection.vendor == "postgresql"
+
+
+def runs(record: redis.Redis) -> list[dict]:
+    """The task runs ``tests.broker_ext.worker_app.record_run`` recorded, in order."""
+    return [json.loads(item) for item in record.lrange("runs", 0, -1)]

@@ -1,0 +1,147 @@
+"""Fixtures for the exactly-once layer: a file-backed test database, the demo tasks, real workers.
+
+Worker processes need a database they can share with the test process, so
+the SQLite test database here is a file (pytest-django's default is in
+memory) and a PostgreSQL test database gets a name of this run's own. Every
+test's broker, cache and Celery app point at the session's private Redis
+server, never at a shared one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from urllib.parse import quote
+
+import pytest
+
+from lab.processes import CeleryWorker
+from tests.helpers import reset_connections
+
+DEMO_TASKS = "tests.queueapp.demo_tasks"
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, tmp_path_factory) -> None:
+    """A test database other processes can open: a SQLite file, or a PostgreSQL database of this run."""
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    test = database.setdefault("TEST", {})
+    if database["ENGINE"].endswith("sqlite3"):
+        test["NAME"] = str(tmp_path_factory.mktemp("queueapp-db") / "test.sqlite3")
+    else:
+        test.setdefault("NAME", f"test_queueapp_{os.getpid()}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``postgres`` tests unless DATABASE_URL points at a reachable PostgreSQL."""
+    url = os.environ.get("DATABASE_URL", "")
+    reason = None
+    if not url.startswith(("postgres://", "postgresql://")):
+        reason = "DATABASE_URL does not point at PostgreSQL"
+    else:
+        try:
+            import psycopg
+
+            psycopg.connect(url, connect_timeout=3).close()
+        except Exception as exc:
+            reason = f"PostgreSQL unreachable: {exc}"
+    if reason:
+        for item in items:
+            if "postgres" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def database_url() -> str:
+    """A DATABASE_URL for worker processes: the test database this run created."""
+    from django.db import connection
+
+    settings = connection.settings_dict
+    if connection.vendor == "sqlite":
+        name = settings["NAME"]
+        if not name or "mode=memory" in str(name) or str(name) == ":memory:":
+            raise RuntimeError("worker tests need a file-backed SQLite test database")
+        return f"sqlite:///{name}"
+    auth = quote(settings["USER"] or "")
+    if settings.get("PASSWORD"):
+        auth += ":" + quote(settings["PASSWORD"])
+    host = settings.get("HOST") or "127.0.0.1"
+    port = settings.get("PORT") or 5432
+    return f"postgres://{auth}@{host}:{port}/{settings['NAME']}"
+
+
+@pytest.fixture(autouse=True)
+def private_redis(settings, redis_server, redis_db, fenced_url) -> Iterator[None]:
+    """Point the cache and the project's Celery app at this test's private Redis database."""
+    from settings.celery import app
+
+    settings.CACHES = {
+        "default": {
+            **settings.CACHES["default"],
+            "LOCATION": f"redis://127.0.0.1:{redis_server.port}/{redis_db}",
+        }
+    }
+    reset_connections(app)
+    app.conf.broker_url = fenced_url
+    app.conf.task_always_eager = False
+    yield
+    reset_connections(app)
+
+
+@pytest.fixture
+def effects(django_db_blocker) -> Iterator[Callable[[], list[tuple]]]:
+    """The demo tasks' effect table, empty; returns a function reading its rows."""
+    from tests.queueapp import demo_tasks
+
+    with django_db_blocker.unblock():
+        demo_tasks.create_effect_table()
+    yield demo_tasks.effect_rows
+    with django_db_blocker.unblock():
+        demo_tasks.clear_effects()
+
+
+@pytest.fixture
+def start_worker(fenced_url, redis_server, redis_db, tmp_path) -> Iterator[Callable[..., CeleryWorker]]:
+    """Start real workers on this test's broker, cache and database; all stopped at teardown."""
+    workers: list[CeleryWorker] = []
+
+    def start(
+        *,
+        name: str | None = None,
+        pool: str = "solo",
+        concurrency: int = 1,
+        prefetch: int = 1,
+        broker_url: str | None = None,
+        cache_url: str | None = None,
+        lease_timeout: float = 30,
+        wait: bool = True,
+        **extra_env: str,
+    ) -> CeleryWorker:
+        env = {
+            "DJANGO_SETTINGS_MODULE": "settings.base",
+            "DATABASE_URL": database_url(),
+            "BROKER_URL": broker_url or fenced_url,
+            "REDIS_URL": cache_url or f"redis://127.0.0.1:{redis_server.port}/{redis_db}",
+            "FENCED_LEASE_TIMEOUT": str(lease_timeout),
+            "QUEUEAPP_VAR_DIR": str(tmp_path),
+            **extra_env,
+        }
+        worker = CeleryWorker(
+            app="settings",
+            name=name or f"w{len(workers) + 1}",
+            env=env,
+            log_dir=tmp_path,
+            pool=pool,
+            concurrency=concurrency,
+            prefetch=prefetch,
+            extra_args=["--include", DEMO_TASKS, "--without-heartbeat"],
+        )
+        workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()

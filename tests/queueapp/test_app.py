@@ -1,0 +1,57 @@
+"""The app's plumbing: migrations, lazy settings, the decorator on task objects, publish-time dedup."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import call_command
+from django.test import override_settings
+
+from broker_ext.queue import FencedQueue
+from queueapp import conf, exactly_once
+from queueapp.errors import ConfigurationError
+from queueapp.models import TaskOutcome
+from tests.queueapp import demo_tasks
+
+
+@pytest.mark.django_db
+def test_no_model_change_is_missing_a_migration():
+    out = io.StringIO()
+    call_command("makemigrations", "queueapp", "--check", "--dry-run", stdout=out)
+    assert "No changes detected" in out.getvalue()
+
+
+def test_settings_are_read_when_used_not_at_import():
+    assert conf.get("DEFER_DELAY") == conf.DEFAULTS["DEFER_DELAY"]
+    with override_settings(QUEUEAPP={"DEFER_DELAY": 7, "TYPO": 1}):
+        assert conf.get("DEFER_DELAY") == 7
+        assert conf.unknown_keys() == ["TYPO"]
+    with pytest.raises(ConfigurationError, match="unknown queueapp setting"):
+        conf.get("NOPE")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_decorator_over_a_task_object_of_a_finalized_app(effects):
+    from settings.celery import app
+
+    assert app.finalized
+
+    @exactly_once(key=lambda label: f"dynamic:{label}")
+    @app.task(bind=True, name="tests.queueapp.dynamic")
+    def dynamic(self, label):
+        demo_tasks.record_effect(label)
+        return self.idempotency_key
+
+    assert dynamic.apply(("x",)).result == "dynamic:x"
+    assert dynamic.apply(("x",)).result == "dynamic:x"
+    assert len(effects()) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dedup_window_drops_the_second_publish_at_the_broker(redis_server, redis_db):
+    queue = FencedQueue(redis_server.client(db=redis_db), "celery")
+    first, second = demo_tasks.refund.delay(3), demo_tasks.refund.delay(3)
+    assert first.id != second.id
+    assert queue.stats().ready == 1
+    assert TaskOutcome.objects.get(idempotency_key="refund:3").task_id == first.id
