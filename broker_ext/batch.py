@@ -11,7 +11,7 @@ from broker_ext.queue import OutgoingMessage
 
 
 class FencedPublishBatch:
-    """Buffers routed messages and fanout commands; sends them in one pipeline."""
+    """Buffers routed messages and fanout commands; sends each kind in one round trip."""
 
     def __init__(self, channel, max_size: int) -> None:
         self.channel = channel
@@ -39,16 +39,24 @@ class FencedPublishBatch:
         self._buffered += 1
 
     def flush(self) -> None:
+        """Send what is buffered; a refused publish raises after the others were stored."""
         self._check_open()
         if not self._buffered:
             return
-        pipe = self.channel.fenced_client.pipeline(transaction=False)
-        for queue, messages in self._messages.items():
-            self.channel.fenced_queue(queue).publish(messages, client=pipe)
-        for name, args in self._commands:
-            getattr(pipe, name)(*args)
+        calls = [
+            self.channel.fenced_queue(queue).publish_call(messages)
+            for queue, messages in self._messages.items()
+        ]
+        commands = self._commands
         self._messages, self._commands, self._buffered = {}, [], 0
-        pipe.execute()
+        refusals = [result for result in self.channel.run_calls(calls) if isinstance(result, Exception)]
+        if commands:
+            pipe = self.channel.fenced_client.pipeline(transaction=False)
+            for name, args in commands:
+                getattr(pipe, name)(*args)
+            pipe.execute()
+        if refusals:
+            raise refusals[0]
 
     def discard(self) -> None:
         self._messages, self._commands, self._buffered = {}, [], 0

@@ -1,11 +1,15 @@
 """Exceptions of the fenced transport: one root, at most two levels.
 
-Redis errors are translated at the boundary (:mod:`broker_ext.queue`);
+Redis errors are translated at the boundary (:mod:`broker_ext.scripts`);
 :class:`RedisFull` is declared a recoverable channel error of the transport,
-so Kombu's ``ensure()`` (and Celery's publish retry) retries it.
+so Kombu's ``ensure()`` (and Celery's publish retry) retries it;
+:class:`ClusterUnavailable` is a ``ConnectionError``, so Kombu and Celery
+reconnect as after any lost connection.
 """
 
 from __future__ import annotations
+
+import redis
 
 
 class FencedError(Exception):
@@ -26,3 +30,11 @@ class RedisFull(PublishRefused):
 
 class MessageTooLarge(PublishRefused):
     """Raised when a message exceeds ``max_message_size``; retrying cannot succeed."""
+
+
+class ClusterUnavailable(FencedError, redis.exceptions.ConnectionError):
+    """Raised when Redis Cluster cannot serve a queue's slot now (failover, resharding); retried."""
+
+
+class ClusterConfigurationError(FencedError, ValueError):
+    """Raised when a cluster connection asks for what Redis Cluster cannot serve (a database other than 0)."""

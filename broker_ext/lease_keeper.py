@@ -2,10 +2,11 @@
 
 A daemon thread per consuming channel that (1) extends the lease of every
 delivery the consumer holds, (2) reclaims expired leases of the queues it
-consumes and (3) retries acks that failed while Redis was unreachable. It is a
-thread, not an event-loop timer, so that a solo worker busy in a long task, or
-a worker holding ETA messages, keeps its leases: only a consumer that stopped
-(killed, frozen, partitioned) loses them.
+consumes and (3) sends buffered acks the consumer did not send with a claim
+(and acks that failed while Redis was unreachable). It is a thread, not an
+event-loop timer, so that a solo worker busy in a long task, or a worker
+holding ETA messages, keeps its leases: only a consumer that stopped (killed,
+frozen, partitioned) loses them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    """Extends, reclaims and retries for one channel until stopped."""
+    """Extends, reclaims and flushes acks for one channel until stopped."""
 
     def __init__(self, channel) -> None:
         self.channel = channel
@@ -42,17 +43,25 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.channel.qos.acks_waiting.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 
     def _run(self) -> None:
+        acks_waiting = self.channel.qos.acks_waiting
         next_extend = next_reclaim = time.monotonic()
         tick = min(self.extend_interval, self.reclaim_interval, 1.0)
-        while not self._stopped.wait(tick):
+        while True:
+            if acks_waiting.wait(tick) and not self._stopped.is_set():
+                # Give the consumer's next claim the chance to carry these acks for free.
+                self._stopped.wait(self.channel.ack_flush_interval)
+            if self._stopped.is_set():
+                return  # The channel's close sends the acks still buffered.
+            acks_waiting.clear()
             now = time.monotonic()
             try:
-                self.retry_acks()
+                self.channel.flush_acks()
                 if now >= next_extend:
                     self.extend()
                     next_extend = now + self.extend_interval
@@ -61,19 +70,23 @@ class LeaseKeeper:
                     next_reclaim = now + self.reclaim_interval
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                 logger.info("lease keeper: Redis unreachable (%r); retrying", exc)
+                self._stopped.wait(tick)
             except Exception:
                 logger.exception("lease keeper: unexpected error; retrying")
+                self._stopped.wait(tick)
 
     def extend(self) -> None:
-        """Extend every held delivery, one script call per queue."""
+        """Extend every held delivery: one script call per queue, all in one round trip."""
         qos = self.channel.qos
-        held = qos.held()
         by_queue: dict[str, list] = {}
-        for delivery in held:
+        for delivery in qos.held():
             by_queue.setdefault(delivery.queue, []).append(delivery)
-        for queue, deliveries in by_queue.items():
-            replies = self.channel.fenced_queue(queue).extend(deliveries)
-            for delivery, reply in zip(deliveries, replies, strict=True):
+        calls = [self.channel.fenced_queue(queue).extend_call(held) for queue, held in by_queue.items()]
+        for (queue, held), replies in zip(by_queue.items(), self.channel.run_calls(calls), strict=True):
+            if isinstance(replies, Exception):
+                logger.error("extending leases on %r failed: %r", queue, replies)
+                continue
+            for delivery, reply in zip(held, replies, strict=True):
                 if reply is not Reply.OK:
                     logger.warning(
                         "lease of %s on %r lost (%s): it may run again elsewhere",
@@ -88,14 +101,3 @@ class LeaseKeeper:
             reclaimed, dead = self.channel.fenced_queue(queue).reclaim_all()
             if reclaimed or dead:
                 logger.info("reclaimed %d expired leases on %r (%d dead-lettered)", reclaimed, queue, dead)
-
-    def retry_acks(self) -> None:
-        """Send acks that failed while Redis was unreachable; keep them if it still is."""
-        pending = self.channel.qos.take_pending_acks()
-        if not pending:
-            return
-        try:
-            self.channel.ack_deliveries(pending)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            self.channel.qos.defer_acks(pending)
-            raise

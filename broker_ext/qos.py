@@ -4,6 +4,12 @@ Kombu's virtual QoS keeps the prefetch accounting; this class adds a
 thread-safe registry of the deliveries the consumer holds (prefetched, ETA
 messages Celery keeps in memory, running tasks), which the lease keeper
 extends, and routes ack / reject / restore to the fenced scripts.
+
+Acks are batched: an ack frees the prefetch slot at once, and its Redis call
+travels with the consumer's next claim (one round trip for both) or is sent
+by the lease keeper after ``ack_flush_interval``, whichever comes first. A
+worker killed in between has that message delivered again, which is
+at-least-once delivery as promised; ``@exactly_once`` absorbs it.
 """
 
 from __future__ import annotations
@@ -13,81 +19,71 @@ import threading
 
 from kombu.transport import virtual
 
+from broker_ext.messages import delivery_of
 from broker_ext.queue import Delivery
 
 logger = logging.getLogger(__name__)
 
 
-def delivery_of(properties: dict) -> Delivery | None:
-    """The :class:`Delivery` a message's properties describe (set at claim time).
-
-    ``None`` for a message that was not claimed from a fenced queue: fanout
-    (pub/sub) messages have no lease, so acking them is a no-op.
-    """
-    if "fence_token" not in properties:
-        return None
-    return Delivery(
-        queue=properties["fenced_queue"],
-        message_id=properties["fenced_message_id"],
-        token=int(properties["fence_token"]),
-        deliveries=int(properties.get("delivery_count", 1)),
-    )
-
-
 class FencedQoS(virtual.QoS):
-    """Prefetch accounting plus the held-deliveries registry."""
+    """Prefetch accounting, the held-deliveries registry and the ack buffer."""
 
     restore_at_shutdown = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._held: dict[str, Delivery] = {}
-        self._held_lock = threading.Lock()
-        self._pending_acks: list[Delivery] = []
+        self._lock = threading.Lock()
+        self._unsent_acks: list[Delivery] = []
+        #: Set when an ack is buffered: wakes the lease keeper to flush it.
+        self.acks_waiting = threading.Event()
 
     def append(self, message, delivery_tag) -> None:
         delivery = delivery_of(message.properties)
         if delivery is not None:
-            with self._held_lock:
+            with self._lock:
                 self._held[delivery_tag] = delivery
         super().append(message, delivery_tag)
 
     def held(self) -> list[Delivery]:
         """A snapshot of what this consumer holds (safe from any thread)."""
-        with self._held_lock:
+        with self._lock:
             return list(self._held.values())
 
     def forget(self, delivery: Delivery) -> None:
         """Stop extending a delivery whose lease was lost (its ack will be refused as stale)."""
-        with self._held_lock:
+        with self._lock:
             for tag, held in list(self._held.items()):
                 if held == delivery:
                     del self._held[tag]
 
     def _release(self, delivery_tag) -> Delivery | None:
-        with self._held_lock:
+        with self._lock:
             return self._held.pop(delivery_tag, None)
 
     def ack(self, delivery_tag) -> None:
         delivery = self._release(delivery_tag)
         if delivery is not None:
-            try:
-                self.channel.ack_deliveries([delivery])
-            except self.channel.connection_errors:
-                # Retried by the lease keeper; if it never gets through, the lease
-                # expires and the idempotency record absorbs the redelivery.
-                logger.warning("ack of %s deferred: Redis unreachable", delivery.message_id)
-                self.defer_acks([delivery])
+            self.buffer_acks([delivery])
+            if self.channel.ack_flush_interval <= 0 or self.unsent_ack_count() >= self.channel.ack_batch_size:
+                self.channel.flush_acks()
         super().ack(delivery_tag)
 
-    def defer_acks(self, deliveries: list[Delivery]) -> None:
-        with self._held_lock:
-            self._pending_acks.extend(deliveries)
+    def buffer_acks(self, deliveries: list[Delivery]) -> None:
+        """Keep acks for the next flush (also: acks a lost connection sent back)."""
+        with self._lock:
+            self._unsent_acks.extend(deliveries)
+        self.acks_waiting.set()
 
-    def take_pending_acks(self) -> list[Delivery]:
-        with self._held_lock:
-            pending, self._pending_acks = self._pending_acks, []
-        return pending
+    def take_acks(self) -> list[Delivery]:
+        """Every buffered ack, removed from the buffer (the caller sends them or buffers them again)."""
+        with self._lock:
+            acks, self._unsent_acks = self._unsent_acks, []
+        return acks
+
+    def unsent_ack_count(self) -> int:
+        with self._lock:
+            return len(self._unsent_acks)
 
     def reject(self, delivery_tag, requeue: bool = False) -> None:
         delivery = self._release(delivery_tag)
@@ -101,7 +97,7 @@ class FencedQoS(virtual.QoS):
     def restore_unacked(self) -> list:
         """Give back everything held, unspent (warm shutdown, channel close)."""
         self._flush()
-        with self._held_lock:
+        with self._lock:
             held, self._held = list(self._held.values()), {}
         self._delivered.clear()
         if not held:

@@ -4,7 +4,7 @@ The Kombu channel, the admin, the management commands, the fault lab and the
 benchmark all go through :class:`FencedQueue`, so every atomic operation has
 exactly one caller-side implementation: key lists in the order the script's
 header gives, replies decoded into the types below, Redis errors translated
-into :mod:`broker_ext.errors` at this boundary.
+into :mod:`broker_ext.errors` (by :mod:`broker_ext.scripts`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from broker_ext.errors import RedisFull, ScriptRefused
 from broker_ext.keys import QueueKeys
-from broker_ext.scripts import Reply, Scripts, register
+from broker_ext.scripts import Reply, ScriptCall, Scripts, register, run_call
 
 
 @dataclass(frozen=True)
@@ -122,12 +121,17 @@ def _pairs(deliveries: Iterable[Delivery]) -> list[str | int]:
     return args
 
 
+def _replies(reply: list) -> list[Reply]:
+    return [Reply(r) for r in reply]
+
+
 class FencedQueue:
     """The Lua operations of one queue, bound to a Redis (or Redis Cluster) client.
 
-    Every method takes an optional ``client``: pass a pipeline to batch
-    operations of several queues into one round trip (replies then come from
-    ``pipeline.execute()``, undecoded).
+    Each operation has a ``*_call`` form that only builds the
+    :class:`~broker_ext.scripts.ScriptCall`, so that calls on several queues
+    can share one round trip (:func:`~broker_ext.scripts.run_calls`), and a
+    plain form that runs it at once.
     """
 
     def __init__(
@@ -145,23 +149,16 @@ class FencedQueue:
         self.options = options or QueueOptions()
         self.scripts = scripts or register(client)
 
-    def _run(self, script, keys: list[str], args: list, client=None):
-        """Run a script, translating its refusals into this package's exceptions."""
-        try:
-            return script(keys=keys, args=args, client=client or self.client)
-        except redis.exceptions.OutOfMemoryError:
-            raise RedisFull(
-                f"queue {self.name!r}: Redis is out of memory (maxmemory reached); nothing was written"
-            ) from None
-        except redis.exceptions.ResponseError as exc:
-            if str(exc).startswith("FENCED"):
-                raise ScriptRefused(f"queue {self.name!r}: {exc}") from None
-            raise
+    def _call(self, script, keys: list[str], args: list, decode=_replies) -> ScriptCall:
+        return ScriptCall(self.name, script, keys, args, decode)
+
+    def run(self, call: ScriptCall):
+        """Run one call built by this queue; Redis errors come out as :mod:`broker_ext.errors`."""
+        return run_call(self.client, call)
 
     # -- publish -------------------------------------------------------------------------
 
-    def publish(self, messages: Sequence[OutgoingMessage], client=None) -> list[Reply]:
-        """Store messages (idempotent on id); one reply per message."""
+    def publish_call(self, messages: Sequence[OutgoingMessage]) -> ScriptCall:
         k = self.keys
         keys = [k.bodies, k.state, k.ready, k.delayed, k.seq, k.done, k.signal, k.stats, k.dedups]
         args: list = [self.options.signal_cap, self.options.ttl_ms]
@@ -169,18 +166,30 @@ class FencedQueue:
             keys.append(k.dedup(message.dedup_key or ""))
             window = message.dedup_window_ms if message.dedup_key else 0
             args += [message.message_id, message.payload, message.priority, message.delay_ms, window]
-        replies = self._run(self.scripts.publish, keys, args, client)
-        return replies if client is not None else [Reply(r) for r in replies]
+        return self._call(self.scripts.publish, keys, args)
+
+    def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
+        """Store messages (idempotent on id); one reply per message."""
+        return self.run(self.publish_call(messages))
 
     # -- consume -------------------------------------------------------------------------
 
-    def claim(self, count: int = 1, *, no_ack: bool = False, request_id: str | None = None) -> list[Claimed]:
-        """Lease up to ``count`` ready messages (promoting due delayed ones first)."""
+    def claim_call(
+        self, count: int = 1, *, no_ack: bool = False, request_id: str | None = None
+    ) -> ScriptCall:
         k = self.keys
-        request_id = request_id or uuid.uuid4().hex
-        reply = self._run(
+        return self._call(
             self.scripts.claim,
-            [k.ready, k.delayed, k.leases, k.bodies, k.state, k.seq, k.stats, k.claim_request(request_id)],
+            [
+                k.ready,
+                k.delayed,
+                k.leases,
+                k.bodies,
+                k.state,
+                k.seq,
+                k.stats,
+                k.claim_request(request_id or uuid.uuid4().hex),
+            ],
             [
                 count,
                 self.options.lease_ms,
@@ -188,36 +197,42 @@ class FencedQueue:
                 int(no_ack),
                 self.options.promote_limit,
             ],
+            self._decode_claim,
         )
-        return self.decode_claim(reply)
 
-    def decode_claim(self, reply: list) -> list[Claimed]:
+    def claim(self, count: int = 1, *, no_ack: bool = False, request_id: str | None = None) -> list[Claimed]:
+        """Lease up to ``count`` ready messages (promoting due delayed ones first)."""
+        return self.run(self.claim_call(count, no_ack=no_ack, request_id=request_id))
+
+    def _decode_claim(self, reply: list) -> list[Claimed]:
         return [
             Claimed(Delivery(self.name, _text(reply[i]), int(reply[i + 1]), int(reply[i + 2])), reply[i + 3])
             for i in range(0, len(reply), 4)
         ]
 
-    def ack(self, deliveries: Sequence[Delivery], client=None) -> list[Reply]:
-        """Finish deliveries; a stale token is refused and changes nothing."""
+    def ack_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
         k = self.keys
-        replies = self._run(
+        return self._call(
             self.scripts.ack,
             [k.leases, k.state, k.bodies, k.done, k.ready, k.delayed, k.stats],
             [self.options.done_window_ms, *_pairs(deliveries)],
-            client,
         )
-        return replies if client is not None else [Reply(r) for r in replies]
 
-    def extend(self, deliveries: Sequence[Delivery], client=None) -> list[Reply]:
-        """Push lease deadlines to server time + lease for deliveries still current."""
+    def ack(self, deliveries: Sequence[Delivery]) -> list[Reply]:
+        """Finish deliveries; a stale token is refused and changes nothing."""
+        return self.run(self.ack_call(deliveries))
+
+    def extend_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
         k = self.keys
-        replies = self._run(
+        return self._call(
             self.scripts.extend,
             [k.leases, k.state, k.ready, k.delayed],
             [self.options.lease_ms, *_pairs(deliveries)],
-            client,
         )
-        return replies if client is not None else [Reply(r) for r in replies]
+
+    def extend(self, deliveries: Sequence[Delivery]) -> list[Reply]:
+        """Push lease deadlines to server time + lease for deliveries still current."""
+        return self.run(self.extend_call(deliveries))
 
     def requeue(
         self,
@@ -233,19 +248,20 @@ class FencedQueue:
         raises the message's token so its next delivery outranks one the database saw.
         """
         k = self.keys
-        replies = self._run(
-            self.scripts.requeue,
-            [k.leases, k.state, k.ready, k.delayed, k.seq, k.signal, k.stats, k.dead, k.reasons],
-            [
-                self.options.max_deliveries,
-                int(counted),
-                delay_ms,
-                token_floor,
-                self.options.signal_cap,
-                *_pairs(deliveries),
-            ],
+        return self.run(
+            self._call(
+                self.scripts.requeue,
+                [k.leases, k.state, k.ready, k.delayed, k.seq, k.signal, k.stats, k.dead, k.reasons],
+                [
+                    self.options.max_deliveries,
+                    int(counted),
+                    delay_ms,
+                    token_floor,
+                    self.options.signal_cap,
+                    *_pairs(deliveries),
+                ],
+            )
         )
-        return [Reply(r) for r in replies]
 
     def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> list[Reply]:
         """Set messages aside with a reason (body kept for inspection and revival)."""
@@ -260,23 +276,26 @@ class FencedQueue:
 
     def _dead_letter(self, pairs: list, reason: str) -> list[Reply]:
         k = self.keys
-        replies = self._run(
-            self.scripts.dead_letter,
-            [k.leases, k.state, k.ready, k.delayed, k.dead, k.reasons, k.stats],
-            [reason, *pairs],
+        return self.run(
+            self._call(
+                self.scripts.dead_letter,
+                [k.leases, k.state, k.ready, k.delayed, k.dead, k.reasons, k.stats],
+                [reason, *pairs],
+            )
         )
-        return [Reply(r) for r in replies]
 
-    def reclaim(self, limit: int = 1000, client=None) -> tuple[int, int]:
-        """Return expired leases to ready; returns (reclaimed, dead-lettered)."""
+    def reclaim_call(self, limit: int = 1000) -> ScriptCall:
         k = self.keys
-        reply = self._run(
+        return self._call(
             self.scripts.reclaim,
             [k.leases, k.state, k.ready, k.seq, k.signal, k.stats, k.dead, k.reasons],
             [self.options.max_deliveries, limit, self.options.signal_cap],
-            client,
+            lambda reply: (int(reply[0]), int(reply[1])),
         )
-        return reply if client is not None else (int(reply[0]), int(reply[1]))
+
+    def reclaim(self, limit: int = 1000) -> tuple[int, int]:
+        """Return expired leases to ready; returns (reclaimed, dead-lettered)."""
+        return self.run(self.reclaim_call(limit))
 
     def reclaim_all(self, batch: int = 1000) -> tuple[int, int]:
         """Reclaim until no expired lease is left."""
@@ -291,19 +310,21 @@ class FencedQueue:
     def revive(self, message_ids: Sequence[str], *, reset_deliveries: bool = True) -> list[Reply]:
         """Operator requeue: back to ready from dead, leased or delayed; token bumped."""
         k = self.keys
-        replies = self._run(
-            self.scripts.revive,
-            [k.dead, k.reasons, k.state, k.ready, k.seq, k.signal, k.stats, k.leases, k.delayed],
-            [int(reset_deliveries), self.options.signal_cap, *message_ids],
+        return self.run(
+            self._call(
+                self.scripts.revive,
+                [k.dead, k.reasons, k.state, k.ready, k.seq, k.signal, k.stats, k.leases, k.delayed],
+                [int(reset_deliveries), self.options.signal_cap, *message_ids],
+            )
         )
-        return [Reply(r) for r in replies]
 
     def purge(self, batch: int = 1000) -> int:
         """Delete every ready message; returns how many."""
         k = self.keys
+        call = self._call(self.scripts.purge, [k.ready, k.bodies, k.state, k.stats], [batch], int)
         total = 0
         while True:
-            purged = int(self._run(self.scripts.purge, [k.ready, k.bodies, k.state, k.stats], [batch]))
+            purged = self.run(call)
             total += purged
             if purged < batch:
                 return total
@@ -312,8 +333,10 @@ class FencedQueue:
 
     def stats(self) -> QueueStats:
         k = self.keys
-        reply = self._run(
-            self.scripts.queue_stats, [k.ready, k.delayed, k.leases, k.dead, k.state, k.stats], []
+        reply = self.run(
+            self._call(
+                self.scripts.queue_stats, [k.ready, k.delayed, k.leases, k.dead, k.state, k.stats], [], list
+            )
         )
         ready, delayed, leased, dead, expired, oldest_ms, now_ms, flat = reply
         counters = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}

@@ -1,19 +1,34 @@
-"""The Lua scripts, read once from ``broker_ext/lua/`` and wrapped by redis-py.
+"""The Lua scripts, read once from ``broker_ext/lua/``, and how calls to them are sent.
 
 One file per atomic operation; :func:`register` hands each to
 ``client.register_script()``, whose ``Script`` objects send ``EVALSHA`` and
 reload the script on ``NOSCRIPT`` (after a restart, a failover or a
-``SCRIPT FLUSH``), also inside pipelines.
+``SCRIPT FLUSH``).
+
+Several calls can share one round trip (:func:`run_calls`): acks travel with
+the next claim, a batch publish sends one call per queue. redis-py's own
+pipelines ask ``SCRIPT EXISTS`` before every execute when they carry scripts,
+which would double the round trips; :func:`run_calls` sends plain ``EVALSHA``
+commands instead and reloads only a script that answered ``NOSCRIPT`` (a
+script that answered ``NOSCRIPT`` never ran, so sending it again is safe).
+
+Redis errors are translated here, at the boundary, into
+:mod:`broker_ext.errors`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cache
 from pathlib import Path
+from typing import Any
 
+import redis
 from redis.commands.core import Script
+
+from broker_ext.errors import ClusterUnavailable, RedisFull, ScriptRefused
 
 LUA_DIR = Path(__file__).with_name("lua")
 SCRIPT_NAMES = (
@@ -27,6 +42,15 @@ SCRIPT_NAMES = (
     "revive",
     "purge",
     "queue_stats",
+)
+
+#: Redis Cluster answers while a slot fails over or moves, after redis-py's own retries.
+CLUSTER_TRANSIENT = (
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.ClusterError,
 )
 
 
@@ -67,3 +91,74 @@ class Scripts:
 def register(client) -> Scripts:
     """Wrap every script for ``client``; nothing is sent until a script is called."""
     return Scripts(**{name: client.register_script(source(name)) for name in SCRIPT_NAMES})
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply."""
+
+    queue: str
+    script: Script
+    keys: list[str]
+    args: list
+    decode: Callable[[Any], Any]
+
+
+def translate(exc: Exception, queue: str) -> Exception:
+    """The exception of this package that a Redis error on ``queue`` stands for (or ``exc`` itself)."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return RedisFull(f"queue {queue!r}: Redis is out of memory (maxmemory reached); nothing was written")
+    if isinstance(exc, CLUSTER_TRANSIENT):
+        return ClusterUnavailable(f"queue {queue!r}: Redis Cluster cannot serve its slot now: {exc}")
+    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("FENCED"):
+        return ScriptRefused(f"queue {queue!r}: {exc}")
+    return exc
+
+
+def run_call(client, call: ScriptCall) -> Any:
+    """Run one call on ``client`` and decode its reply."""
+    try:
+        reply = call.script(keys=call.keys, args=call.args, client=client)
+    except redis.exceptions.RedisError as exc:
+        raise translate(exc, call.queue) from None
+    return call.decode(reply)
+
+
+def run_calls(client, calls: Sequence[ScriptCall], *, pipelined: bool = True) -> list[Any]:
+    """Run calls in one round trip (or one by one where pipelining is off, as on Cluster).
+
+    Returns one entry per call: its decoded reply, or the (translated)
+    exception that call raised, so one refused call does not hide the others'
+    results. A lost connection raises, as a whole: redis-py may resend the
+    pipeline, which every script tolerates.
+    """
+    if not calls:
+        return []
+    if not pipelined:
+        return [_result_of(client, call) for call in calls]
+    pipe = client.pipeline(transaction=False)
+    for call in calls:
+        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+    try:
+        replies = pipe.execute(raise_on_error=False)
+    except redis.exceptions.RedisError as exc:
+        raise translate(exc, calls[0].queue) from None
+    results: list[Any] = []
+    for call, reply in zip(calls, replies, strict=True):
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            results.append(_result_of(client, call))  # Script reloads it; it never ran the first time.
+        elif isinstance(reply, Exception):
+            results.append(translate(reply, call.queue))
+        else:
+            results.append(call.decode(reply))
+    return results
+
+
+def _result_of(client, call: ScriptCall) -> Any:
+    """A call's reply, or the exception it raised; a lost connection still raises."""
+    try:
+        return run_call(client, call)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        raise
+    except Exception as exc:
+        return exc

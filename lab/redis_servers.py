@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from lab.errors import RedisServerError
 
@@ -127,6 +128,8 @@ class RedisServer:
                 str(self.directory / "nodes.conf"),
                 "--cluster-node-timeout",
                 "2000",
+                "--repl-diskless-sync-delay",
+                "0",
             ]
         for name, value in self.config.items():
             args += [f"--{name}", str(value)]
@@ -234,13 +237,34 @@ class RedisCluster:
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until every live node says ``ok``, serves its slots from live masters only, and
+        every replica is in sync (so that a master killed now can fail over to it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            states = [self._cluster_state(node) for node in self.live_nodes()]
-            if states and all(state == "ok" for state in states):
+            if self._ready():
                 return
             time.sleep(0.1)
-        raise RedisServerError(f"Redis Cluster did not reach state ok in {timeout}s")
+        raise RedisServerError(
+            f"Redis Cluster did not become ready (state ok, replicas in sync) in {timeout}s"
+        )
+
+    def _ready(self) -> bool:
+        live = list(self.live_nodes())
+        live_ports = {node.port for node in live}
+        for node in live:
+            if self._cluster_state(node) != "ok":
+                return False
+            try:
+                client = node.client(socket_timeout=0.5)
+                replication = client.info("replication")
+                masters = {int(master[1]) for _, _, master, *_ in client.execute_command("CLUSTER SLOTS")}
+            except redis.exceptions.RedisError:
+                return False
+            if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
+                return False
+            if not masters <= live_ports:
+                return False
+        return True
 
     def live_nodes(self) -> Iterable[RedisServer]:
         return [node for node in self.nodes if node.process is not None]
@@ -258,6 +282,25 @@ class RedisCluster:
             if line.startswith("cluster_state:"):
                 return line.split(":", 1)[1].strip()
         return "unknown"
+
+    def master_for(self, key: str) -> RedisServer:
+        """The node that serves ``key``'s slot right now (as the cluster's slot map says)."""
+        slot = key_slot(key.encode())
+        for node in self.live_nodes():
+            try:
+                ranges = node.client(socket_timeout=1).execute_command("CLUSTER SLOTS")
+            except redis.exceptions.RedisError:
+                continue
+            for start, end, master, *_ in ranges:
+                if start <= slot <= end:
+                    return next(n for n in self.nodes if n.port == int(master[1]))
+        raise RedisServerError(f"no live node of the cluster serves slot {slot}")
+
+    def fenced_urls(self, *, excluding: RedisServer | None = None) -> str:
+        """A ``fenced://`` URL with every live node as a failover alternate (Kombu's ``;`` list)."""
+        return ";".join(
+            f"fenced://127.0.0.1:{node.port}/0" for node in self.live_nodes() if node is not excluding
+        )
 
     @property
     def url(self) -> str:

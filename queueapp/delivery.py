@@ -12,11 +12,7 @@ import contextvars
 import socket
 from dataclasses import dataclass
 
-#: Message properties the fenced:// transport stamps on every delivery.
-FENCE_TOKEN = "fence_token"
-DELIVERY_COUNT = "delivery_count"
-FENCED_QUEUE = "fenced_queue"
-FENCED_MESSAGE_ID = "fenced_message_id"
+from broker_ext.messages import DELIVERY_COUNT, FENCE_TOKEN, FENCED_MESSAGE_ID, FENCED_QUEUE
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,10 @@ from celery.signals import before_task_publish, worker_ready, worker_shutdown
 from django.db import DatabaseError, connections
 from django.utils.dateparse import parse_datetime
 
+from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
 from queueapp import conf
 
 logger = logging.getLogger(__name__)
-
-DEDUP_HEADER = "fenced_dedup_key"
-DEDUP_WINDOW_HEADER = "fenced_dedup_window"
 
 
 def on_before_task_publish(sender=None, body=None, headers=None, routing_key=None, **_) -> None:
@@ -36,12 +34,12 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     if policy is None:
         return
     if headers.get("retries"):
-        headers.pop(DEDUP_HEADER, None)
+        headers.pop(DEDUP_KEY_HEADER, None)
         return
     args, kwargs = body[0], body[1]
     key = policy.key_for(args, kwargs, headers.get("id"))
     if policy.dedup_window:
-        headers[DEDUP_HEADER] = f"exactly-once:{key}"
+        headers[DEDUP_KEY_HEADER] = f"exactly-once:{key}"
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
     if conf.get("RECORD_QUEUED"):
         from queueapp import ledger

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import json
 
+import kombu.pools
+import kombu.pools
 import redis
 
 
 def reset_connections(app) -> None:
-    """Drop a Celery app's cached connection and producer pools (each test has its own broker)."""
+    """Drop a Celery app's cached connection and producer pools (each test has its own broker).
+
+    Kombu also keeps producer pools in a process-wide registry keyed by broker
+    URL; a later test on the same URL must not get a pool closed here.
+    """
     if app._pool is not None:
         app._pool.force_close_all()
     app._pool = None
     app.amqp._producer_pool = None
+    kombu.pools.reset()
+    # Kombu keeps its pools in a global registry keyed by the broker URL: forget the closed ones, or a
+    # later test whose URL repeats (the database numbers cycle) gets "Acquire on closed pool".
+    kombu.pools.reset()
 
 
 def is_postgres() -> bool:

@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from lab.processes import REPO, CeleryWorker
+from lab.redis_servers import RedisCluster
 from tests.helpers import reset_connections
 
 
@@ -40,6 +41,7 @@ def start_worker(redis_server, fenced_url) -> Iterator[Callable[..., CeleryWorke
             "TEST_BROKER_URL": broker_url or fenced_url,
             "TEST_RECORD_URL": f"redis://127.0.0.1:{redis_server.port}/0",
             "TEST_TRANSPORT_OPTIONS": json.dumps(transport_options or {}),
+            "DJANGO_SETTINGS_MODULE": "",  # A plain Celery app: no Django, no queueapp signal handlers.
         }
         worker = CeleryWorker(
             app="tests.broker_ext.worker_app",
@@ -72,3 +74,19 @@ def celery_app(fenced_url):
     app.conf.broker_transport_options = {}
     yield app
     reset_connections(app)
+
+
+@pytest.fixture
+def cluster_url(redis_cluster) -> str:
+    """``fenced://`` URLs (every node a failover alternate) of the session's cluster, flushed first."""
+    for node in redis_cluster.live_nodes():
+        node.client().flushall()
+    return redis_cluster.fenced_urls()
+
+
+@pytest.fixture
+def failover_cluster() -> Iterator[RedisCluster]:
+    """A cluster of the test's own, 3 masters with a replica each, so a killed master fails over."""
+    cluster = RedisCluster(masters=3, replicas=1).start()
+    yield cluster
+    cluster.cleanup()

@@ -68,11 +68,11 @@ def test_an_eta_task_held_in_worker_memory_past_the_lease_is_not_redelivered(
     celery_app, start_worker, record, monkeypatch
 ):
     """Celery keeps an ETA message in memory until due; its lease is extended meanwhile."""
-    from broker_ext import transport
+    from broker_ext import channel
     from tests.broker_ext.worker_app import record_run
 
     # Deliver at once, as a publisher whose clock runs late would: the worker must hold it.
-    monkeypatch.setattr(transport, "delay_ms_of", lambda message: 0)
+    monkeypatch.setattr(channel, "delay_ms_of", lambda message: 0)
     options = {"lease_timeout": 1.5, "reclaim_interval": 0.3}
     start_worker(transport_options=options, name="holder")
     start_worker(transport_options=options, name="other")

@@ -8,7 +8,8 @@ import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
 from broker_ext.errors import MessageTooLarge
-from broker_ext.transport import Transport, delay_ms_of, message_id_of
+from broker_ext.messages import delay_ms_of, message_id_of
+from broker_ext.transport import Transport
 
 
 def test_importing_broker_ext_registers_fenced_and_fenceds():

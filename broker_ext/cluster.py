@@ -1,0 +1,164 @@
+"""fenced:// on Redis Cluster: the channel used when the transport option ``cluster`` is true.
+
+Every key of a queue carries the queue's hash tag, so a queue lives in one
+slot and every script runs on the node that owns it: redis-py's
+``RedisCluster`` routes each ``EVALSHA`` by its keys, follows ``MOVED`` and
+``ASK`` while a slot moves, and refreshes its slot map after a failover. What
+differs from a single Redis:
+
+* Script calls of different queues cannot share a pipeline (the queues live
+  on different nodes, and redis-py refuses ``EVALSHA`` in cluster pipelines),
+  so they are sent one by one; the calls of one queue were one script call
+  already.
+* One BRPOP waits on keys of one slot only: a consumer waits on the signal
+  list of its *home* queue (the first it consumes), on the node that owns it,
+  and claims from every queue it consumes whenever it wakes, so a message on
+  another queue waits at most ``brpop_timeout`` (1 s).
+* Fanout (remote control, events) is Redis pub/sub, which a cluster
+  broadcasts to every node: its connection goes to any node of the cluster.
+* Kombu's expiring binding tables rely on a script that spans two slots; on a
+  cluster, bindings are kept without expiry.
+* The startup nodes are the URL's host and those of its failover alternates
+  (``fenced://10.0.0.1:7000;fenced://10.0.0.2:7000``), so a worker starts and
+  reconnects while one of them is down.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from functools import cached_property
+
+import redis
+from kombu.utils.url import parse_url
+from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
+
+from broker_ext.channel import Channel, Empty
+from broker_ext.errors import ClusterConfigurationError, ClusterUnavailable
+from broker_ext.scripts import CLUSTER_TRANSIENT
+
+#: Connection settings of Kombu's that are not passed on to the cluster client.
+NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class", "retry"}
+
+
+class ClusterChannel(Channel):
+    """A fenced channel whose script calls go through ``RedisCluster``."""
+
+    pipelines_scripts = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._home_queue: str | None = None
+        super().__init__(*args, **kwargs)
+
+    @cached_property
+    def fenced_client(self) -> RedisCluster:
+        """The cluster client of every script call and of Kombu's binding tables (thread-safe)."""
+        params = self._connparams()
+        if params.get("db"):
+            raise ClusterConfigurationError(
+                f"Redis Cluster has only database 0; the broker URL asks for database {params['db']}"
+            )
+        kwargs = {
+            name: value
+            for name, value in params.items()
+            if name in REDIS_ALLOWED_KEYS and name not in NOT_FOR_CLUSTER and value is not None
+        }
+        if self.connection.client.ssl:
+            kwargs["ssl"] = True
+        return RedisCluster(startup_nodes=self._startup_nodes(params), **kwargs)
+
+    def _startup_nodes(self, params: dict) -> list[ClusterNode]:
+        nodes = [ClusterNode(params["host"], int(params["port"]))]
+        for url in self.connection.client.alt or ():
+            parts = parse_url(url)
+            address = ClusterNode(parts["hostname"] or "127.0.0.1", int(parts["port"] or params["port"]))
+            if address.name not in {node.name for node in nodes}:
+                nodes.append(address)
+        return nodes
+
+    def conn_or_acquire(self, client=None):
+        """Kombu's binding tables and fanout PUBLISH always go through the cluster client.
+
+        Kombu passes its own BRPOP client here at close; that one reaches one node only.
+        """
+        return nullcontext(self.fenced_client)
+
+    def _node_pool(self, node: ClusterNode, *, asynchronous: bool) -> redis.ConnectionPool:
+        params = self._connparams(asynchronous=asynchronous)
+        params.update(host=node.host, port=node.port, db=0)
+        self.keyprefix_fanout = self.keyprefix_fanout.format(db=0)  # As Kombu's _get_pool does.
+        return redis.ConnectionPool(**params)
+
+    def _get_pool(self, asynchronous=False):
+        """Kombu's own pools (pub/sub) reach a node the cluster map lists, not necessarily the URL's."""
+        return self._node_pool(self.fenced_client.get_default_node(), asynchronous=asynchronous)
+
+    # -- BRPOP on the home queue's node ---------------------------------------------------
+
+    def _home_node(self) -> ClusterNode:
+        if self._home_queue is None:
+            return self.fenced_client.get_default_node()
+        return self.fenced_client.get_node_from_key(self.fenced_queue(self._home_queue).keys.signal)
+
+    @cached_property
+    def client(self):
+        """The BRPOP client, connected to the node that owns the home queue's signal list."""
+        return self.Client(connection_pool=self._node_pool(self._home_node(), asynchronous=True))
+
+    def _move_home(self, queue: str | None) -> None:
+        """Wait on ``queue``'s signal from now on; reconnect the BRPOP client if its node differs."""
+        self._home_queue = queue
+        client = self.__dict__.get("client")
+        if client is None or queue is None:
+            return
+        node, kwargs = self._home_node(), client.connection_pool.connection_kwargs
+        if (kwargs.get("host"), kwargs.get("port")) != (node.host, node.port):
+            del self.__dict__["client"]
+            client.connection_pool.disconnect()  # Unregisters it from the poller; a pending BRPOP is dropped.
+
+    def basic_consume(self, queue, no_ack, *args, **kwargs):
+        if self._home_queue is None and queue not in self._fanout_queues:
+            self._move_home(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _basic_cancel(self, consumer_tag):
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super()._basic_cancel(consumer_tag)
+        if queue is not None and queue == self._home_queue:
+            remaining = self.active_queues
+            self._move_home(remaining[0] if remaining else None)
+        return result
+
+    def brpop_keys(self, queues: list[str]) -> list[str]:
+        home = self._home_queue if self._home_queue in queues else queues[0]
+        return [self.fenced_queue(home).keys.signal]
+
+    def _brpop_read(self, **options):
+        try:
+            return super()._brpop_read(**options)
+        except redis.exceptions.AskError:  # MOVED too: the home slot moved to another node.
+            self.fenced_client.nodes_manager.initialize()
+            self._move_home(self._home_queue)
+            raise Empty() from None
+        except CLUSTER_TRANSIENT as exc:
+            self.client.connection.disconnect()
+            raise ClusterUnavailable(f"BRPOP on the home queue's node: {exc}") from None
+
+    # -- Kombu's binding tables, without the two-slot expiry script ---------------------------
+
+    @cached_property
+    def _refresh_binding(self):
+        """Kombu's binding-expiry script spans two slots; on a cluster a binding is added, never expired."""
+
+        def add_binding(keys: list, args: list, client) -> None:
+            client.sadd(keys[0], args[0])
+
+        return add_binding
+
+    def maybe_refresh_binding_expiry(self) -> None:
+        """Bindings do not expire on a cluster (see :attr:`_refresh_binding`): nothing to refresh."""
+
+    def close(self):
+        super().close()
+        client = self.__dict__.get("fenced_client")
+        if client is not None:
+            client.close()

@@ -1,0 +1,83 @@
+"""What the fenced transport reads from a Kombu message and what it stamps on a delivery.
+
+A publish is identified by :func:`message_id_of` (the id publishes are
+idempotent on) and delayed by :func:`delay_ms_of`. A claimed delivery carries
+its fencing token and count in the message properties (in a Celery task:
+``self.request.properties``); :func:`stamp` writes them and
+:func:`delivery_of` reads them back when the consumer acks.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from broker_ext.queue import Delivery
+
+#: Message properties set on every delivery.
+FENCE_TOKEN = "fence_token"
+DELIVERY_COUNT = "delivery_count"
+FENCED_QUEUE = "fenced_queue"
+FENCED_MESSAGE_ID = "fenced_message_id"
+
+#: Message headers a publisher may set to deduplicate logically equal publishes.
+DEDUP_KEY_HEADER = "fenced_dedup_key"
+DEDUP_WINDOW_HEADER = "fenced_dedup_window"
+
+
+def message_id_of(message: dict) -> str:
+    """The id a publish is idempotent on.
+
+    A Celery task message is identified by task id *and* retry number: a resent
+    publish of the same attempt is a duplicate, while ``self.retry()`` (same
+    task id, next retry number) is a new message.
+    """
+    headers = message.get("headers") or {}
+    task_id = headers.get("id")
+    if task_id:
+        return f"{task_id}.{headers.get('retries') or 0}"
+    properties = message.get("properties") or {}
+    return str(properties.get("message_id") or properties["delivery_tag"])
+
+
+def delay_ms_of(message: dict) -> int:
+    """Milliseconds until the message's ETA, by the publisher's clock (0: deliver now).
+
+    The delay, not the absolute time, goes to Redis, which adds it to its own
+    clock: a publisher whose clock is off still gets the countdown it asked for.
+    """
+    eta = (message.get("headers") or {}).get("eta")
+    if not eta:
+        return 0
+    try:
+        when = datetime.fromisoformat(eta)
+    except (TypeError, ValueError):
+        return 0
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0, int((when - datetime.now(UTC)).total_seconds() * 1000))
+
+
+def stamp(properties: dict, delivery: Delivery) -> None:
+    """Write a delivery onto a claimed message's properties (the delivery tag names the delivery)."""
+    properties["delivery_tag"] = f"{delivery.message_id}#{delivery.token}"
+    properties[FENCE_TOKEN] = delivery.token
+    properties[DELIVERY_COUNT] = delivery.deliveries
+    properties[FENCED_QUEUE] = delivery.queue
+    properties[FENCED_MESSAGE_ID] = delivery.message_id
+    properties.setdefault("delivery_info", {})["redelivered"] = delivery.deliveries > 1
+
+
+def delivery_of(properties: dict) -> Delivery | None:
+    """The :class:`Delivery` a message's properties describe (set at claim time).
+
+    ``None`` for a message that was not claimed from a fenced queue: fanout
+    (pub/sub) messages have no lease, so acking them is a no-op.
+    """
+    if FENCE_TOKEN not in properties:
+        return None
+    return Delivery(
+        queue=properties[FENCED_QUEUE],
+        message_id=properties[FENCED_MESSAGE_ID],
+        token=int(properties[FENCE_TOKEN]),
+        deliveries=int(properties.get(DELIVERY_COUNT, 1)),
+    )
