@@ -20,7 +20,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from broker_ext.batch import FencedPublishBatch
-from broker_ext.errors import FencedError, MessageTooLarge, ScriptRefused
+from broker_ext.errors import FencedError, MessageTooLarge, RedisUnavailable, ScriptRefused
 from broker_ext.keys import queue_of_signal_key
 from broker_ext.lease_keeper import LeaseKeeper
 from broker_ext.messages import (
@@ -28,12 +28,13 @@ from broker_ext.messages import (
     DEDUP_WINDOW_HEADER,
     delay_ms_of,
     delivery_of,
+    envelope_problem,
     message_id_of,
     stamp,
 )
 from broker_ext.qos import FencedQoS
 from broker_ext.queue import Claimed, Delivery, FencedQueue, OutgoingMessage, QueueOptions
-from broker_ext.scripts import Reply, ScriptCall, register, run_calls
+from broker_ext.scripts import Reply, ScriptCall, is_transient, register, run_calls
 
 logger = logging.getLogger(__name__)
 
@@ -206,14 +207,16 @@ class Channel(kombu_redis.Channel):
         estimate = self.qos.can_consume_max_estimate()
         return int(self.claim_batch) if estimate is None else estimate
 
-    def claim(self, queue: str, count: int) -> list[dict]:
+    def claim(self, queue: str, count: int, *, no_ack: bool | None = None) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
+        if no_ack is None:
+            no_ack = queue in self._no_ack_queues
         acks = self.qos.take_acks()
         ack_groups = by_queue(acks)
-        claim_call = self.fenced_queue(queue).claim_call(count, no_ack=queue in self._no_ack_queues)
+        claim_call = self.fenced_queue(queue).claim_call(count, no_ack=no_ack)
         try:
             *ack_replies, claimed = self.run_calls([*self._ack_calls(ack_groups), claim_call])
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -235,10 +238,14 @@ class Channel(kombu_redis.Channel):
             return None
         try:
             payload = loads(bytes_to_str(claimed.payload))
-            stamp(payload["properties"], delivery)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            self._dead_letter(delivery, f"malformed body: {type(exc).__name__}: {exc}")
+        except (TypeError, ValueError) as exc:
+            self._dead_letter(delivery, f"malformed body: not JSON: {exc}")
             return None
+        problem = envelope_problem(payload)
+        if problem is not None:
+            self._dead_letter(delivery, f"malformed body: {problem}")
+            return None
+        stamp(payload["properties"], delivery)
         return payload
 
     def _dead_letter(self, delivery: Delivery, reason: str) -> None:
@@ -247,18 +254,20 @@ class Channel(kombu_redis.Channel):
             self.fenced_queue(delivery.queue).dead_letter([delivery], reason)
 
     def _deliver_claimed(self, queue: str, payloads: list[dict]) -> int:
+        """Hand claimed messages to the consumer; one it cannot take is dead-lettered, not fatal."""
         delivered = 0
         for payload in payloads:
             try:
                 self.connection._deliver(payload, queue)
-            except FencedError:
+            except (FencedError, *self.connection_errors):
                 raise
             except Exception as exc:
-                held = payload["properties"]["delivery_tag"] in self.qos._delivered
-                if held or queue in self._no_ack_queues:
+                if queue in self._no_ack_queues:
                     raise
-                # The consumer could not even build a message from it: set it aside, keep going.
-                self._dead_letter(delivery_of(payload["properties"]), f"undeliverable: {exc!r}")
+                properties = payload["properties"]
+                logger.exception("consumer of %r could not take %s", queue, properties["fenced_message_id"])
+                self.qos.discard(properties["delivery_tag"])
+                self._dead_letter(delivery_of(properties), f"undeliverable: {exc!r}")
                 continue
             delivered += 1
         return delivered
@@ -278,6 +287,16 @@ class Channel(kombu_redis.Channel):
         if not payloads:
             raise Empty()
         return payloads[0]
+
+    def basic_get(self, queue, no_ack=False, **kwargs):
+        """Kombu's basic_get, except that a ``no_ack`` get removes the message at once."""
+        payloads = self.claim(queue, 1, no_ack=no_ack)
+        if not payloads:
+            return None
+        message = self.Message(payloads[0], channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
         """The signal keys one BRPOP waits on for ``queues``."""
@@ -300,6 +319,11 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except redis.exceptions.ResponseError as exc:
+                if not is_transient(exc):  # e.g. a failover turned this Redis into a replica
+                    raise
+                self.client.connection.disconnect()
+                raise RedisUnavailable(f"BRPOP: {exc}") from None
             if self._closing:
                 raise Empty()
             queues = self.active_queues
@@ -383,7 +407,10 @@ class Channel(kombu_redis.Channel):
     def close(self):
         keeper = self.__dict__.get("keeper")
         if keeper is not None:
-            keeper.stop()
+            if self.qos.keeps_running_tasks():
+                keeper.linger()  # Until the running tasks are acked; see broker_ext.worker.
+            else:
+                keeper.stop()
         try:
             self.flush_acks()
         except Exception as exc:

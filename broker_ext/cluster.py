@@ -33,8 +33,7 @@ from kombu.utils.url import parse_url
 from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
 
 from broker_ext.channel import Channel, Empty
-from broker_ext.errors import ClusterConfigurationError, ClusterUnavailable
-from broker_ext.scripts import CLUSTER_TRANSIENT
+from broker_ext.errors import ClusterConfigurationError
 
 #: Connection settings of Kombu's that are not passed on to the cluster client.
 NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class", "retry"}
@@ -139,9 +138,6 @@ class ClusterChannel(Channel):
             self.fenced_client.nodes_manager.initialize()
             self._move_home(self._home_queue)
             raise Empty() from None
-        except CLUSTER_TRANSIENT as exc:
-            self.client.connection.disconnect()
-            raise ClusterUnavailable(f"BRPOP on the home queue's node: {exc}") from None
 
     # -- Kombu's binding tables, without the two-slot expiry script ---------------------------
 

@@ -3,7 +3,7 @@
 Redis errors are translated at the boundary (:mod:`broker_ext.scripts`);
 :class:`RedisFull` is declared a recoverable channel error of the transport,
 so Kombu's ``ensure()`` (and Celery's publish retry) retries it;
-:class:`ClusterUnavailable` is a ``ConnectionError``, so Kombu and Celery
+:class:`RedisUnavailable` is a ``ConnectionError``, so Kombu and Celery
 reconnect as after any lost connection.
 """
 
@@ -32,8 +32,8 @@ class MessageTooLarge(PublishRefused):
     """Raised when a message exceeds ``max_message_size``; retrying cannot succeed."""
 
 
-class ClusterUnavailable(FencedError, redis.exceptions.ConnectionError):
-    """Raised when Redis Cluster cannot serve a queue's slot now (failover, resharding); retried."""
+class RedisUnavailable(FencedError, redis.exceptions.ConnectionError):
+    """Raised when Redis cannot serve a queue now (failover, a replica, a slot moving); retried."""
 
 
 class ClusterConfigurationError(FencedError, ValueError):

@@ -8,7 +8,7 @@ braces, so the tag is the name with ``%``, ``{`` and ``}`` percent-escaped.
 Layout for queue ``q`` (tag ``T``):
 
 =====================  ======  ==================================================
-``fenced:{T}:ready``   zset    message id -> priority * 1e12 + sequence (0 first)
+``fenced:{T}:ready``   zset    message id -> priority * 1e14 +/- sequence (0 first)
 ``fenced:{T}:delayed`` zset    message id -> due time, ms of Redis server time
 ``fenced:{T}:leases``  zset    message id -> lease deadline, ms of server time
 ``fenced:{T}:dead``    zset    message id -> dead-lettered at, ms of server time

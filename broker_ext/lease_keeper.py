@@ -31,6 +31,7 @@ class LeaseKeeper:
         self.extend_interval = float(channel.extend_interval or lease / 3)
         self.reclaim_interval = float(channel.reclaim_interval or min(lease / 2, 5.0))
         self._stopped = threading.Event()
+        self._lingering = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -40,6 +41,14 @@ class LeaseKeeper:
                 self._stopped.clear()
                 self._thread = threading.Thread(target=self._run, name="fenced-lease-keeper", daemon=True)
                 self._thread.start()
+
+    def linger(self) -> None:
+        """The channel closed while tasks it held still run: keep their leases until they are acked."""
+        self._lingering = True
+
+    def _done_lingering(self) -> bool:
+        qos = self.channel.qos
+        return self._lingering and not qos.held() and not qos.unsent_ack_count()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -56,7 +65,7 @@ class LeaseKeeper:
             if acks_waiting.wait(tick) and not self._stopped.is_set():
                 # Give the consumer's next claim the chance to carry these acks for free.
                 self._stopped.wait(self.channel.ack_flush_interval)
-            if self._stopped.is_set():
+            if self._stopped.is_set() or self._done_lingering():
                 return  # The channel's close sends the acks still buffered.
             acks_waiting.clear()
             now = time.monotonic()
@@ -97,7 +106,11 @@ class LeaseKeeper:
                     qos.forget(delivery)
 
     def reclaim(self) -> None:
+        """Reclaim expired leases of the consumed queues; keep queues with ``x-expires`` alive."""
         for queue in list(self.channel.active_queues):
-            reclaimed, dead = self.channel.fenced_queue(queue).reclaim_all()
+            fenced = self.channel.fenced_queue(queue)
+            reclaimed, dead = fenced.reclaim_all()
             if reclaimed or dead:
                 logger.info("reclaimed %d expired leases on %r (%d dead-lettered)", reclaimed, queue, dead)
+            if fenced.options.ttl_ms:
+                fenced.touch(fenced.options.ttl_ms)

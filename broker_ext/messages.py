@@ -27,14 +27,17 @@ DEDUP_WINDOW_HEADER = "fenced_dedup_window"
 def message_id_of(message: dict) -> str:
     """The id a publish is idempotent on.
 
-    A Celery task message is identified by task id *and* retry number: a resent
-    publish of the same attempt is a duplicate, while ``self.retry()`` (same
-    task id, next retry number) is a new message.
+    A Celery task message is identified by task id, retry number and
+    replacement depth: a resent publish of the same attempt is a duplicate,
+    while ``self.retry()`` (same task id, next retry number) and
+    ``self.replace()`` (same task id, one more replacement) are new messages.
     """
     headers = message.get("headers") or {}
     task_id = headers.get("id")
     if task_id:
-        return f"{task_id}.{headers.get('retries') or 0}"
+        message_id = f"{task_id}.{headers.get('retries') or 0}"
+        nesting = headers.get("replaced_task_nesting") or 0
+        return f"{message_id}.r{nesting}" if nesting else message_id
     properties = message.get("properties") or {}
     return str(properties.get("message_id") or properties["delivery_tag"])
 
@@ -55,6 +58,29 @@ def delay_ms_of(message: dict) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return max(0, int((when - datetime.now(UTC)).total_seconds() * 1000))
+
+
+def envelope_problem(payload: object) -> str | None:
+    """What makes a stored payload unfit for Kombu (``None`` when it is a proper envelope).
+
+    Checked before delivery, so that a malformed message is dead-lettered with
+    the reason instead of raising inside the consumer.
+    """
+    if not isinstance(payload, dict):
+        return f"the envelope is a {type(payload).__name__}, not an object"
+    if not isinstance(payload.get("body"), str):
+        return "the envelope has no body string"
+    if not isinstance(payload.get("properties"), dict):
+        return "the envelope has no properties object"
+    for name in ("headers",):
+        if payload.get(name) is not None and not isinstance(payload[name], dict):
+            return f"{name} is not an object"
+    if not isinstance(payload["properties"].get("delivery_info", {}), dict):
+        return "properties.delivery_info is not an object"
+    for name in ("content-type", "content-encoding"):
+        if payload.get(name) is not None and not isinstance(payload[name], str):
+            return f"{name} is not a string"
+    return None
 
 
 def stamp(properties: dict, delivery: Delivery) -> None:

@@ -35,6 +35,8 @@ class FencedQoS(virtual.QoS):
         self._held: dict[str, Delivery] = {}
         self._lock = threading.Lock()
         self._unsent_acks: list[Delivery] = []
+        self._reject_reasons: dict[str, str] = {}
+        self._kept: set[str] = set()
         #: Set when an ack is buffered: wakes the lease keeper to flush it.
         self.acks_waiting = threading.Event()
 
@@ -63,11 +65,16 @@ class FencedQoS(virtual.QoS):
 
     def ack(self, delivery_tag) -> None:
         delivery = self._release(delivery_tag)
-        if delivery is not None:
-            self.buffer_acks([delivery])
-            if self.channel.ack_flush_interval <= 0 or self.unsent_ack_count() >= self.channel.ack_batch_size:
-                self.channel.flush_acks()
-        super().ack(delivery_tag)
+        try:
+            if delivery is not None:
+                self.buffer_acks([delivery])
+                if (
+                    self.channel.ack_flush_interval <= 0
+                    or self.unsent_ack_count() >= self.channel.ack_batch_size
+                ):
+                    self.channel.flush_acks()
+        finally:
+            super().ack(delivery_tag)  # The prefetch slot is free whatever Redis said.
 
     def buffer_acks(self, deliveries: list[Delivery]) -> None:
         """Keep acks for the next flush (also: acks a lost connection sent back)."""
@@ -86,19 +93,49 @@ class FencedQoS(virtual.QoS):
             return len(self._unsent_acks)
 
     def reject(self, delivery_tag, requeue: bool = False) -> None:
+        """Requeue (counted) or dead-letter; if Redis refuses, the lease expires and reclaim takes over."""
         delivery = self._release(delivery_tag)
-        if delivery is not None:
-            if requeue:
-                self.channel.requeue_deliveries([delivery], counted=True)
-            else:
-                self.channel.dead_letter_deliveries([delivery], "rejected by the consumer")
+        reason = self._reject_reasons.pop(delivery_tag, None) or "rejected by the consumer"
+        try:
+            if delivery is not None:
+                if requeue:
+                    self.channel.requeue_deliveries([delivery], counted=True)
+                else:
+                    self.channel.dead_letter_deliveries([delivery], reason)
+        finally:
+            super().ack(delivery_tag)
+
+    def note_reject_reason(self, delivery_tag, reason: str) -> None:
+        """Say why the coming reject of ``delivery_tag`` happens (kept as its dead-letter reason)."""
+        with self._lock:
+            self._reject_reasons[delivery_tag] = reason
+
+    def discard(self, delivery_tag) -> None:
+        """Forget a delivery the consumer could not take (the caller dead-letters it); frees its slot."""
+        self._release(delivery_tag)
+        self._reject_reasons.pop(delivery_tag, None)
         super().ack(delivery_tag)
 
+    def keep(self, delivery_tags) -> int:
+        """Mark deliveries whose tasks still run: closing the channel will not give them back.
+
+        They stay held, so the lease keeper goes on extending them and their
+        late acks are sent. Returns how many of them this consumer holds.
+        """
+        with self._lock:
+            self._kept.update(tag for tag in delivery_tags if tag in self._held)
+            return len(self._kept)
+
+    def keeps_running_tasks(self) -> bool:
+        with self._lock:
+            return any(tag in self._held for tag in self._kept)
+
     def restore_unacked(self) -> list:
-        """Give back everything held, unspent (warm shutdown, channel close)."""
+        """Give back everything held, unspent (warm shutdown, channel close), but what :meth:`keep` kept."""
         self._flush()
         with self._lock:
-            held, self._held = list(self._held.values()), {}
+            held = [delivery for tag, delivery in self._held.items() if tag not in self._kept]
+            self._held = {tag: delivery for tag, delivery in self._held.items() if tag in self._kept}
         self._delivered.clear()
         if not held:
             return []

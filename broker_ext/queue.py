@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -189,6 +189,8 @@ class FencedQueue:
                 k.seq,
                 k.stats,
                 k.claim_request(request_id or uuid.uuid4().hex),
+                k.dead,
+                k.reasons,
             ],
             [
                 count,
@@ -241,11 +243,13 @@ class FencedQueue:
         counted: bool = True,
         delay_ms: int = 0,
         token_floor: int = 0,
+        reason: str = "",
     ) -> list[Reply]:
-        """Give deliveries back (front of their priority, or delayed by ``delay_ms``).
+        """Give deliveries back (front of their priority, or delayed by ``delay_ms``); their tokens end.
 
         ``counted=False`` gives the delivery back unspent (shutdown); ``token_floor``
-        raises the message's token so its next delivery outranks one the database saw.
+        raises the message's token so its next delivery outranks one the database saw;
+        ``reason`` says why, in the dead-letter reason of a message out of deliveries.
         """
         k = self.keys
         return self.run(
@@ -258,6 +262,7 @@ class FencedQueue:
                     delay_ms,
                     token_floor,
                     self.options.signal_cap,
+                    reason,
                     *_pairs(deliveries),
                 ],
             )
@@ -307,14 +312,29 @@ class FencedQueue:
             if reclaimed + dead < batch:
                 return total_reclaimed, total_dead
 
-    def revive(self, message_ids: Sequence[str], *, reset_deliveries: bool = True) -> list[Reply]:
-        """Operator requeue: back to ready from dead, leased or delayed; token bumped."""
+    def revive(
+        self,
+        message_ids: Sequence[str],
+        *,
+        reset_deliveries: bool = True,
+        tokens: Mapping[str, int] | None = None,
+    ) -> list[Reply]:
+        """Operator requeue: to the front of ready from dead or delayed; token bumped.
+
+        A leased message is revived only with the token the operator saw
+        (``tokens[message_id]``, compare-and-set), so that a revive sent twice
+        never takes a message back from the consumer that claimed it since.
+        """
         k = self.keys
+        pairs: list = []
+        for message_id in message_ids:
+            token = (tokens or {}).get(message_id)
+            pairs += [message_id, "*" if token is None else str(token)]
         return self.run(
             self._call(
                 self.scripts.revive,
                 [k.dead, k.reasons, k.state, k.ready, k.seq, k.signal, k.stats, k.leases, k.delayed],
-                [int(reset_deliveries), self.options.signal_cap, *message_ids],
+                [int(reset_deliveries), self.options.signal_cap, *pairs],
             )
         )
 
@@ -393,3 +413,10 @@ class FencedQueue:
     def delete(self) -> None:
         """Remove every key of the queue (``queue_delete``)."""
         self.client.delete(*self.keys.all_static())
+
+    def touch(self, ttl_ms: int) -> None:
+        """Push the expiry of every key of a queue declared with ``x-expires`` (kept alive while used)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys.all_static():
+            pipe.pexpire(key, ttl_ms)
+        pipe.execute()

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from broker_ext.errors import ClusterUnavailable, RedisFull, ScriptRefused
+from broker_ext.errors import RedisFull, RedisUnavailable, ScriptRefused
 
 LUA_DIR = Path(__file__).with_name("lua")
 SCRIPT_NAMES = (
@@ -44,14 +44,25 @@ SCRIPT_NAMES = (
     "queue_stats",
 )
 
-#: Redis Cluster answers while a slot fails over or moves, after redis-py's own retries.
-CLUSTER_TRANSIENT = (
+#: What Redis answers while a failover, a replica promotion or a moving slot is under way
+#: (after redis-py's own retries): the queue is unavailable for now, not broken.
+TRANSIENT = (
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
     redis.exceptions.MasterDownError,
     redis.exceptions.SlotNotCoveredError,
     redis.exceptions.ClusterError,
+    redis.exceptions.ReadOnlyError,
 )
+#: The same, for replies redis-py parses as a plain ResponseError (a BRPOP unblocked by a role change).
+TRANSIENT_PREFIXES = ("UNBLOCKED", "READONLY", "MASTERDOWN", "LOADING", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def is_transient(exc: Exception) -> bool:
+    """Whether ``exc`` means Redis cannot serve now (retry as after a lost connection)."""
+    return isinstance(exc, TRANSIENT) or (
+        isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(TRANSIENT_PREFIXES)
+    )
 
 
 class Reply(IntEnum):
@@ -108,8 +119,8 @@ def translate(exc: Exception, queue: str) -> Exception:
     """The exception of this package that a Redis error on ``queue`` stands for (or ``exc`` itself)."""
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
         return RedisFull(f"queue {queue!r}: Redis is out of memory (maxmemory reached); nothing was written")
-    if isinstance(exc, CLUSTER_TRANSIENT):
-        return ClusterUnavailable(f"queue {queue!r}: Redis Cluster cannot serve its slot now: {exc}")
+    if is_transient(exc):
+        return RedisUnavailable(f"queue {queue!r}: Redis cannot serve it now: {exc}")
     if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("FENCED"):
         return ScriptRefused(f"queue {queue!r}: {exc}")
     return exc

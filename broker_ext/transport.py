@@ -67,6 +67,7 @@ from kombu.transport import redis as kombu_redis
 from broker_ext.channel import Channel
 from broker_ext.cluster import ClusterChannel
 from broker_ext.errors import PublishRefused, RedisFull, ScriptRefused
+from broker_ext.scripts import TRANSIENT
 
 
 class Transport(kombu_redis.Transport):
@@ -78,6 +79,9 @@ class Transport(kombu_redis.Transport):
     #: A full Redis refuses publishes before they start: Kombu's ensure() may retry them.
     recoverable_channel_errors = (RedisFull,)
     channel_errors = (*kombu_redis.Transport.channel_errors, ScriptRefused, PublishRefused)
+    #: A Redis that turned replica or a cluster slot in failover is a lost connection, not a bad channel:
+    #: Celery reconnects instead of stopping (Kombu's own binding writes hit them too).
+    connection_errors = (*kombu_redis.Transport.connection_errors, *TRANSIENT)
 
     def __init__(self, client, *args, **kwargs) -> None:
         if client.transport_cls == "fenceds" and not client.ssl:

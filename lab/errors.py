@@ -7,3 +7,11 @@ class LabError(Exception):
 
 class RedisServerError(LabError):
     """Raised when a private redis-server cannot be found, started or reached."""
+
+
+class ProxyError(LabError):
+    """Raised when the fault proxy cannot start or is asked for a fault while not running."""
+
+
+class FaultLabError(LabError):
+    """Raised when a fault-lab run cannot be set up or is configured wrongly."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from lab.models import Effect
 from queueapp import current_delivery, exactly_once
@@ -29,17 +29,30 @@ def _write_effect(task, run: str, label: str) -> None:
     )
 
 
+class HoldingTask(Task):
+    """A task that can hold its delivery for ``hold`` seconds before the body starts.
+
+    The fault lab needs tasks that run longer than the broker's lease. The wait
+    happens before the body, outside an exactly-once body's transaction: on
+    SQLite a long sleep inside it would hold the database's one write lock and
+    stall every other worker for as long.
+    """
+
+    def before_start(self, task_id, args, kwargs) -> None:
+        time.sleep(float(kwargs.get("hold") or 0))
+
+
 @exactly_once
-@shared_task(bind=True, name="lab.fenced_effect")
-def fenced_effect(self, run: str, label: str, sleep: float = 0.0) -> str:
+@shared_task(bind=True, name="lab.fenced_effect", base=HoldingTask)
+def fenced_effect(self, run: str, label: str, sleep: float = 0.0, hold: float = 0.0) -> str:
     """One effect under the commit rule, then an optional sleep inside the transaction."""
     _write_effect(self, run, label)
     time.sleep(sleep)
     return label
 
 
-@shared_task(bind=True, name="lab.stock_effect")
-def stock_effect(self, run: str, label: str, sleep: float = 0.0) -> str:
+@shared_task(bind=True, name="lab.stock_effect", base=HoldingTask)
+def stock_effect(self, run: str, label: str, sleep: float = 0.0, hold: float = 0.0) -> str:
     """The same effect with no idempotency record: a redelivery writes it again."""
     _write_effect(self, run, label)
     time.sleep(sleep)

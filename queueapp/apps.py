@@ -9,6 +9,7 @@ class QueueappConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from queueapp import signals
+        from queueapp import checks, signals
 
         signals.connect()
+        checks.register()

@@ -18,6 +18,10 @@ Every value is looked up when it is used, never at import time, so tests
     short write, no lock wait on the body). ``False``: it is only logged.
 ``RECORD_QUEUED`` (``True``)
     Publishing an exactly-once task records its outcome row as *queued*.
+``DEFER_MAX_DELAY`` (``60.0``)
+    Longest wait of a delivery given back while the database is unreachable: the
+    wait doubles from ``DEFER_DELAY`` with each delivery of the message, and a
+    message out of ``max_deliveries`` is dead-lettered (visible, revivable).
 ``DEFER_DELAY`` (``1.0``)
     Seconds before a delivery given back to the broker comes again (a token
     below the database's, or the database unreachable).
@@ -36,6 +40,15 @@ Every value is looked up when it is used, never at import time, so tests
     Seconds between two passes of the worker relay.
 ``OUTBOX_PUBLISH_TIMEOUT`` (``5.0``)
     Seconds one relay publish may take before the row is retried later.
+``STUCK_AFTER`` (``300.0``)
+    Seconds past its due time before the admin and ``requeue --status stuck``
+    call something stuck: a running key past its lease deadline, a queued key
+    past its ETA, an outbox row still pending, a delayed message still waiting.
+``OPS_LIST_LIMIT`` (``200``)
+    Most rows each section of the admin's stuck and duplicates pages shows.
+``QUEUE_SCAN_LIMIT`` (``10000``)
+    Most Redis keys the queue list examines (``SCAN``) to find fenced queues
+    nobody configured (the scan is bounded so a big Redis stays cheap).
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "AUDIT_CACHED_DUPLICATES": True,
     "RECORD_QUEUED": True,
     "DEFER_DELAY": 1.0,
+    "DEFER_MAX_DELAY": 60.0,
     "LEASE_TIMEOUT": None,
     "OUTBOX_BATCH_SIZE": 100,
     "OUTBOX_CLAIM_TIMEOUT": 30.0,
@@ -61,6 +75,9 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_WORKER_RELAY": True,
     "OUTBOX_RELAY_INTERVAL": 1.0,
     "OUTBOX_PUBLISH_TIMEOUT": 5.0,
+    "STUCK_AFTER": 300.0,
+    "OPS_LIST_LIMIT": 200,
+    "QUEUE_SCAN_LIMIT": 10000,
 }
 
 

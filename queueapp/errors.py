@@ -30,3 +30,7 @@ class DeliveryRefused(QueueappError):
 
 class OutboxError(QueueappError):
     """Raised when an outbox row cannot be written (unknown task, arguments not JSON)."""
+
+
+class BrokerUnavailable(QueueappError):
+    """Raised when an operator tool cannot reach the fenced broker (Redis down, or not ``fenced://``)."""

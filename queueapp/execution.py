@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
-from django.db import DatabaseError
+from django.db import DatabaseError, InterfaceError, OperationalError
 
 from queueapp import broker, cache, conf, ledger
 from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
@@ -32,6 +32,9 @@ from queueapp.errors import DeliveryRefused
 logger = logging.getLogger(__name__)
 
 Verdict = ledger.Verdict
+
+#: Errors of a database that is down or unreachable (not of a query that is wrong).
+DATABASE_GONE = (OperationalError, InterfaceError)
 
 
 def will_autoretry(task, exc: BaseException, retries: int) -> bool:
@@ -116,6 +119,11 @@ def execute(
     except Retry as exc:
         _record(ledger.record_failure, claim, exc, retrying=True)
         raise
+    except DATABASE_GONE as exc:
+        # The database went away while the body ran or committed. Whether the commit landed is
+        # for the row to say: the delivery goes back, and the next one is suppressed or runs.
+        _record(ledger.record_failure, claim, exc, retrying=True)
+        return _database_unavailable(task, key, delivery, exc)
     except Reject as exc:
         _record(ledger.record_failure, claim, exc, retrying=bool(exc.requeue))
         raise
@@ -163,16 +171,18 @@ def _outranked(task, key: str, delivery: DeliveryInfo, outranked: ledger.Outrank
 
 
 def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseError) -> None:
-    """The row could not be locked (database down, lock timeout): the delivery goes back, counted.
+    """The database is unreachable (down, lock timeout): the delivery goes back, counted, with back-off.
 
-    Counted, so that a database that stays down ends in the dead-letter set
-    (visible, revivable) instead of a hot loop. Without the fenced transport
-    the error propagates as Celery's own failure handling would have it.
+    The wait doubles with each delivery of the message, up to ``DEFER_MAX_DELAY``;
+    counted, so that a database that stays down ends in the dead-letter set
+    (visible, revivable) instead of a loop. Without the fenced transport the
+    error propagates as Celery's own failure handling would have it.
     """
     floor = (delivery.token or 0) + 1
-    deferral = broker.defer(
-        task.app, delivery, token_floor=floor, delay=conf.get("DEFER_DELAY"), counted=True
+    delay = min(
+        conf.get("DEFER_MAX_DELAY"), conf.get("DEFER_DELAY") * 2 ** ((delivery.delivery_count or 1) - 1)
     )
+    deferral = broker.defer(task.app, delivery, token_floor=floor, delay=delay, counted=True)
     if deferral is broker.Deferral.DEFERRED:
         logger.warning("database unavailable for %s [%s]: delivery given back (%r)", task.name, key, exc)
         return None

@@ -91,6 +91,10 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def _source(delivery: DeliveryInfo) -> str:
+    return TaskDelivery.TokenSource.BROKER if delivery.fenced else TaskDelivery.TokenSource.DATABASE
+
+
 def _log_fields(delivery: DeliveryInfo) -> dict:
     return {
         "delivery_count": delivery.delivery_count,
@@ -156,9 +160,7 @@ def claim(
             TaskDelivery.objects.using(db).create(
                 outcome=outcome,
                 fence_token=delivery.token or 0,
-                token_source=TaskDelivery.TokenSource.BROKER
-                if delivery.fenced
-                else TaskDelivery.TokenSource.DATABASE,
+                token_source=_source(delivery),
                 verdict=Verdict.SUPPRESSED_DUPLICATE,
                 detail=f"key already {outcome.status}",
                 started_at=now,
@@ -166,14 +168,39 @@ def claim(
                 **_log_fields(delivery),
             )
             return Suppressed(outcome.pk, outcome.status, outcome.result)
-        if delivery.fenced:
-            token, source = delivery.token, TaskDelivery.TokenSource.BROKER
-            if token <= outcome.fence_token:
-                # Written by record_outranked() once the broker said what became of it.
-                return Outranked(outcome.pk, outcome.fence_token)
+        same_task = delivery.task_id == outcome.task_id
+        chain_in_progress = outcome.status in (Status.QUEUED, Status.RUNNING)
+        if same_task and chain_in_progress and delivery.retries < outcome.retries:
+            # An older attempt redelivered after its retry took over (its worker died before
+            # acking): the retry carries the key on, this one must not take it back. Once the
+            # chain has failed for good, a rerun is allowed like any run of a failed key.
+            outcome.suppressed_duplicates += 1
+            outcome.save(update_fields=["deliveries", "suppressed_duplicates", "updated_at"])
+            TaskDelivery.objects.using(db).create(
+                outcome=outcome,
+                fence_token=delivery.token or 0,
+                token_source=_source(delivery),
+                verdict=Verdict.SUPPRESSED_DUPLICATE,
+                detail=f"attempt {delivery.retries} superseded by retry {outcome.retries}",
+                started_at=now,
+                finished_at=now,
+                **_log_fields(delivery),
+            )
+            return Suppressed(outcome.pk, outcome.status, None)
+        if not delivery.fenced:
+            token = outcome.fence_token + 1
+        elif delivery.token > outcome.fence_token:
+            token = delivery.token
+        elif same_task and delivery.retries > outcome.retries:
+            # A retry outranks the attempt before it whatever the broker's tokens say; the key's
+            # token still only grows, for external systems that keep the highest they saw.
+            token = outcome.fence_token + 1
         else:
-            token, source = outcome.fence_token + 1, TaskDelivery.TokenSource.DATABASE
+            # Written by record_outranked() once the broker said what became of it.
+            return Outranked(outcome.pk, outcome.fence_token)
+        source = _source(delivery)
         outcome.fence_token = token
+        outcome.retries = delivery.retries
         outcome.status = Status.RUNNING
         outcome.attempts += 1
         outcome.worker = delivery.worker[:255]
@@ -311,9 +338,7 @@ def record_cached_duplicate(key: str, delivery: DeliveryInfo) -> None:
         TaskDelivery.objects.using(_db()).create(
             outcome_id=outcome_id,
             fence_token=delivery.token or 0,
-            token_source=TaskDelivery.TokenSource.BROKER
-            if delivery.fenced
-            else TaskDelivery.TokenSource.DATABASE,
+            token_source=_source(delivery),
             verdict=Verdict.SUPPRESSED_DUPLICATE,
             detail="key already succeeded (cache)",
             started_at=now,

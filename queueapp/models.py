@@ -70,6 +70,14 @@ class TaskOutcome(models.Model):
         default=0,
         help_text=_("Highest fencing token seen for this key; a lower or equal one never commits."),
     )
+    retries = models.PositiveIntegerField(
+        _("retries"),
+        default=0,
+        help_text=_(
+            "Celery retry number of the attempt that holds the key: an older attempt of the same task "
+            "never takes it back."
+        ),
+    )
     worker = models.CharField(
         _("worker"), max_length=255, blank=True, help_text=_("Hostname of the worker of the latest run.")
     )
@@ -136,6 +144,10 @@ class TaskOutcome(models.Model):
             models.Index(fields=["-last_started_at"], name="queueapp_outcome_started_idx"),
             models.Index(fields=["-queued_at"], name="queueapp_outcome_queued_idx"),
             models.Index(fields=["status", "lease_deadline"], name="queueapp_outcome_lease_idx"),
+        ]
+        permissions = [
+            ("requeue_taskoutcome", _("Can requeue task outcomes and dead-lettered messages")),
+            ("mark_dead_taskoutcome", _("Can mark task outcomes dead")),
         ]
 
     def __str__(self) -> str:

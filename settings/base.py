@@ -93,6 +93,8 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Dead-letters undecodable messages instead of dropping them; running tasks keep their leases on a reconnect.
+CELERY_WORKER_CONSUMER = "broker_ext.worker:Consumer"
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -108,6 +110,8 @@ CACHES = {
             "SOCKET_TIMEOUT": 1,
             # A cache outage must change speed only, never correctness.
             "IGNORE_EXCEPTIONS": True,
+            # django-redis pickles by default; nothing here is ever pickled.
+            "SERIALIZER": "django_redis.serializers.json.JSONSerializer",
         },
     }
 }

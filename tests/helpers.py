@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import kombu.pools
-import kombu.pools
 import redis
 
 
@@ -19,9 +18,6 @@ def reset_connections(app) -> None:
         app._pool.force_close_all()
     app._pool = None
     app.amqp._producer_pool = None
-    kombu.pools.reset()
-    # Kombu keeps its pools in a global registry keyed by the broker URL: forget the closed ones, or a
-    # later test whose URL repeats (the database numbers cycle) gets "Acquire on closed pool".
     kombu.pools.reset()
 
 

@@ -9,15 +9,23 @@ across requeues, restarts and failovers (the clock term carries them past a
 counter that lost its last writes). The lease deadline is server time plus
 the lease, never a worker's clock.
 
-A claim carries a request id: the ids it leased are remembered for a while, and
-the same request sent again (a client retry after a lost reply) returns the
-same deliveries instead of leasing more.
+A claim carries a request id: the id and token of each message it leased are
+remembered for a while, and the same request sent again (a client retry after
+a lost reply) returns those deliveries whose token is still the one it handed
+out, instead of leasing more (never a delivery someone else got since).
+
+A ready message that cannot be delivered (its body or state is missing, or
+its state is not "token|deliveries|priority|queued_ms") is not dropped: it
+goes to the dead-letter set with the reason, for an operator to look at.
 
 With no_ack = 1 the messages are removed at once (consumers that never ack,
 such as remote-control reply queues).
 
+Each step reads and checks first, then writes only what passed.
+
 KEYS[1] ready  KEYS[2] delayed  KEYS[3] leases  KEYS[4] bodies  KEYS[5] state
 KEYS[6] seq    KEYS[7] stats    KEYS[8] claim request key (string)
+KEYS[9] dead   KEYS[10] reasons
 
 ARGV[1] count (>= 1)   ARGV[2] lease ms   ARGV[3] request ttl ms
 ARGV[4] no_ack (0/1)   ARGV[5] max delayed messages to promote
@@ -33,89 +41,111 @@ local function check_type(key, want)
   end
 end
 
+-- "token|deliveries|priority|queued_ms" -> table, or nil when it is not that.
+local function parse_state(st)
+  if not st then return nil end
+  local token, deliveries, priority, queued = string.match(st, '^(%d+)|(%d+)|(%d)|(%d+)$')
+  if not token then return nil end
+  return {token = tonumber(token), deliveries = tonumber(deliveries), priority = tonumber(priority),
+          queued = queued}
+end
+
 local count, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
 local request_ttl, no_ack, promote = tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
-if #KEYS ~= 8 or not count or count < 1 or not lease or lease <= 0
+if #KEYS ~= 10 or not count or count < 1 or not lease or lease <= 0
     or not request_ttl or not promote then
-  error({err = 'FENCED BADARG claim needs 8 keys, count >= 1, lease > 0, ttl and promote limit'})
+  error({err = 'FENCED BADARG claim needs 10 keys, count >= 1, lease > 0, ttl and promote limit'})
 end
-local types = {'zset', 'zset', 'zset', 'hash', 'hash', 'string', 'hash', 'string'}
-for i = 1, 8 do check_type(KEYS[i], types[i]) end
+local types = {'zset', 'zset', 'zset', 'hash', 'hash', 'string', 'hash', 'string', 'zset', 'hash'}
+for i = 1, 10 do check_type(KEYS[i], types[i]) end
 
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local out = {}
 
-local function split_state(st)
-  local token, deliveries, priority, queued = string.match(st, '^(%d+)|(%d+)|(%d+)|(%d+)$')
-  return tonumber(token), tonumber(deliveries), priority, queued
-end
-
--- A resent request: hand back what the first one leased, if still held by it.
+-- A resent request: hand back what the first one leased, where that lease is still its own.
 local previous = redis.call('GET', KEYS[8])
 if previous then
-  for id in string.gmatch(previous, '[^\n]+') do
-    local st = redis.call('HGET', KEYS[5], id)
+  for id, token in string.gmatch(previous, '([^\n]+)|(%d+)') do
+    local state = parse_state(redis.call('HGET', KEYS[5], id))
     local body = redis.call('HGET', KEYS[4], id)
-    if st and body and redis.call('ZSCORE', KEYS[3], id) then
-      local token, deliveries = split_state(st)
+    if state and body and state.token == tonumber(token) and redis.call('ZSCORE', KEYS[3], id) then
       out[#out + 1] = id
-      out[#out + 1] = string.format('%.0f', token)
-      out[#out + 1] = deliveries
+      out[#out + 1] = token
+      out[#out + 1] = state.deliveries
       out[#out + 1] = body
     end
   end
   return out
 end
 
--- Delayed messages that are due become ready, in due order.
+-- Due delayed messages, read and checked, then made ready (or set aside when corrupt).
+local due = {}
 if promote > 0 then
-  local due = redis.call('ZRANGE', KEYS[2], '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, promote)
-  for _, id in ipairs(due) do
-    local st = redis.call('HGET', KEYS[5], id)
-    redis.call('ZREM', KEYS[2], id)
-    if st then
-      local _, _, priority = split_state(st)
-      local seq = redis.call('INCR', KEYS[6])
-      redis.call('ZADD', KEYS[1], tonumber(priority) * 1e12 + seq, id)
-    end
+  due = redis.call('ZRANGE', KEYS[2], '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, promote)
+end
+local due_states = {}
+for i, id in ipairs(due) do due_states[i] = parse_state(redis.call('HGET', KEYS[5], id)) end
+
+local dead = 0
+local function dead_letter(id, state, reason)
+  redis.call('ZADD', KEYS[9], now_ms, id)
+  redis.call('HSET', KEYS[10], id, cjson.encode({
+    reason = reason, at_ms = now_ms, deliveries = state and state.deliveries or 0}))
+  if not state then
+    -- A state revive can read: priority 0, a fresh token.
+    redis.call('HSET', KEYS[5], id, string.format('%.0f', now_us) .. '|0|0|' .. now_ms)
+  end
+  dead = dead + 1
+end
+
+for i, id in ipairs(due) do
+  redis.call('ZREM', KEYS[2], id)
+  local state = due_states[i]
+  if state then
+    local seq = redis.call('INCR', KEYS[6])
+    redis.call('ZADD', KEYS[1], state.priority * 1e14 + seq, id)
+  else
+    dead_letter(id, nil, 'undeliverable: missing or corrupt state')
   end
 end
 
-local popped = redis.call('ZPOPMIN', KEYS[1], count)
-local ids, orphans = {}, 0
-for i = 1, #popped, 2 do
-  local id = popped[i]
-  local st = redis.call('HGET', KEYS[5], id)
-  local body = redis.call('HGET', KEYS[4], id)
-  if st and body then
-    local token, deliveries, priority, queued = split_state(st)
-    token = math.max(token + 1, now_us)
-    deliveries = deliveries + 1
-    local token_text = string.format('%.0f', token)
+-- The ready messages this claim takes, read and checked, then leased (or set aside).
+local peeked = redis.call('ZRANGE', KEYS[1], 0, count - 1)
+local peeked_states, peeked_bodies = {}, {}
+for i, id in ipairs(peeked) do
+  peeked_states[i] = parse_state(redis.call('HGET', KEYS[5], id))
+  peeked_bodies[i] = redis.call('HGET', KEYS[4], id)
+end
+local leased = {}
+for i, id in ipairs(peeked) do
+  redis.call('ZREM', KEYS[1], id)
+  local state, body = peeked_states[i], peeked_bodies[i]
+  if not state then
+    dead_letter(id, nil, 'undeliverable: missing or corrupt state')
+  elseif not body then
+    dead_letter(id, state, 'undeliverable: body missing')
+  else
+    local token = string.format('%.0f', math.max(state.token + 1, now_us))
+    local deliveries = state.deliveries + 1
     if no_ack then
       redis.call('HDEL', KEYS[4], id)
       redis.call('HDEL', KEYS[5], id)
     else
-      redis.call('HSET', KEYS[5], id, token_text .. '|' .. deliveries .. '|' .. priority .. '|' .. queued)
+      redis.call('HSET', KEYS[5], id, token .. '|' .. deliveries .. '|' .. state.priority .. '|' .. state.queued)
       redis.call('ZADD', KEYS[3], now_ms + lease, id)
-      ids[#ids + 1] = id
+      leased[#leased + 1] = id .. '|' .. token
     end
     out[#out + 1] = id
-    out[#out + 1] = token_text
+    out[#out + 1] = token
     out[#out + 1] = deliveries
     out[#out + 1] = body
-  else
-    -- An id without its body or state cannot be delivered: drop the stray entry.
-    redis.call('HDEL', KEYS[4], id)
-    redis.call('HDEL', KEYS[5], id)
-    orphans = orphans + 1
   end
 end
-if #ids > 0 and request_ttl > 0 then
-  redis.call('SET', KEYS[8], table.concat(ids, '\n'), 'PX', request_ttl)
+if #leased > 0 and request_ttl > 0 then
+  redis.call('SET', KEYS[8], table.concat(leased, '\n'), 'PX', request_ttl)
 end
 if #out > 0 then redis.call('HINCRBY', KEYS[7], 'claimed', #out / 4) end
-if orphans > 0 then redis.call('HINCRBY', KEYS[7], 'orphans_dropped', orphans) end
+if dead > 0 then redis.call('HINCRBY', KEYS[7], 'dead_lettered', dead) end
 return out

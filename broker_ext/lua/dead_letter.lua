@@ -17,7 +17,7 @@ Reply: one integer per pair:
    5 DEAD_LETTERED  moved to the dead-letter set
   -1 NOT_FOUND      no such message
   -2 STALE          a newer delivery exists: nothing written
-Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
+Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
 
 local function check_type(key, want)
@@ -33,28 +33,36 @@ end
 local types = {'zset', 'hash', 'zset', 'zset', 'zset', 'hash', 'hash'}
 for i = 1, 7 do check_type(KEYS[i], types[i]) end
 
+-- Read and check every message before the first write.
+local parsed = {}
+for i = 2, #ARGV, 2 do
+  local st = redis.call('HGET', KEYS[2], ARGV[i])
+  if st then
+    local current, deliveries, rest = string.match(st, '^(%d+)|(%d+)(|%d|%d+)$')
+    if not current then error({err = 'FENCED CORRUPT ' .. ARGV[i]}) end
+    parsed[i] = {token = current, deliveries = tonumber(deliveries), rest = '|' .. deliveries .. rest}
+  end
+end
+
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local replies, dead = {}, 0
 for i = 2, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
-  local st = redis.call('HGET', KEYS[2], id)
-  local current, rest
-  if st then current, rest = string.match(st, '^(%d+)(|.*)$') end
-  if not st then
+  local state = parsed[i]
+  if not state then
     replies[#replies + 1] = -1
   elseif redis.call('ZSCORE', KEYS[5], id) then
     replies[#replies + 1] = 5  -- already dead-lettered (a resent call): nothing to do
-  elseif token ~= '*' and current ~= token then
+  elseif token ~= '*' and state.token ~= token then
     replies[#replies + 1] = -2
   else
     redis.call('ZREM', KEYS[1], id)
     redis.call('ZREM', KEYS[3], id)
     redis.call('ZREM', KEYS[4], id)
     redis.call('ZADD', KEYS[5], now_ms, id)
-    redis.call('HSET', KEYS[2], id, string.format('%.0f', tonumber(current) + 1) .. rest)
-    redis.call('HSET', KEYS[6], id, cjson.encode({
-      reason = ARGV[1], at_ms = now_ms, deliveries = tonumber(string.match(rest, '^|(%d+)'))}))
+    redis.call('HSET', KEYS[2], id, string.format('%.0f', tonumber(state.token) + 1) .. state.rest)
+    redis.call('HSET', KEYS[6], id, cjson.encode({reason = ARGV[1], at_ms = now_ms, deliveries = state.deliveries}))
     replies[#replies + 1] = 5
     dead = dead + 1
   end

@@ -9,7 +9,7 @@ message keeps the key). Validates every key type before the first write.
 
 KEYS[1]  bodies   hash   id -> payload
 KEYS[2]  state    hash   id -> "token|deliveries|priority|queued_ms"
-KEYS[3]  ready    zset   id -> priority * 1e12 + seq
+KEYS[3]  ready    zset   id -> priority * 1e14 + seq
 KEYS[4]  delayed  zset   id -> due ms (server time)
 KEYS[5]  seq      string per-queue sequence
 KEYS[6]  done     zset   recently acked ids
@@ -19,7 +19,8 @@ KEYS[9]  dedups   list   recent deduplicated publishes (capped)
 KEYS[9+i] dedup key of message i (a placeholder key when it has none)
 
 ARGV[1]  signal cap (max length of the signal list)
-ARGV[2]  queue ttl ms (0: the queue does not expire)
+ARGV[2]  queue ttl ms (0: the queue does not expire): every key of the queue expires then,
+         unless a consumer keeps it alive
 ARGV[3+5*(i-1) ...] per message i: id, payload, priority 0-9, delay ms,
          dedup window ms (0: no dedup key)
 
@@ -52,8 +53,8 @@ for i = 1, count do
   local base = 3 + 5 * (i - 1)
   local priority = tonumber(ARGV[base + 2])
   if ARGV[base] == '' or string.find(ARGV[base], '\n', 1, true) or not priority or priority < 0 or priority > 9
-      or not tonumber(ARGV[base + 3]) or not tonumber(ARGV[base + 4]) then
-    error({err = 'FENCED BADARG message ' .. i .. ': id (no newline), priority 0-9, delay and window'})
+      or priority ~= math.floor(priority) or not tonumber(ARGV[base + 3]) or not tonumber(ARGV[base + 4]) then
+    error({err = 'FENCED BADARG message ' .. i .. ': id (no newline), integer priority 0-9, delay and window'})
   end
   if tonumber(ARGV[base + 4]) > 0 then check_type(KEYS[9 + i], 'string') end
 end
@@ -83,7 +84,7 @@ for i = 1, count do
       redis.call('ZADD', KEYS[4], now_ms + delay, id)
     else
       local seq = redis.call('INCR', KEYS[5])
-      redis.call('ZADD', KEYS[3], priority * 1e12 + seq, id)
+      redis.call('ZADD', KEYS[3], priority * 1e14 + seq, id)
       redis.call('LPUSH', KEYS[7], '1')
     end
     if window > 0 then
@@ -97,7 +98,7 @@ if stored > 0 then
   redis.call('LTRIM', KEYS[7], 0, signal_cap - 1)
   redis.call('HINCRBY', KEYS[8], 'published', stored)
   if ttl > 0 then
-    for k = 1, 5 do redis.call('PEXPIRE', KEYS[k], ttl) end
+    for k = 1, 9 do redis.call('PEXPIRE', KEYS[k], ttl) end
   end
 end
 if duplicates > 0 then redis.call('HINCRBY', KEYS[8], 'duplicate_publishes', duplicates) end

@@ -14,7 +14,7 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local oldest = 0
 for priority = 0, 9 do
-  local first = redis.call('ZRANGE', KEYS[1], priority * 1e12 - 5e11, priority * 1e12 + 5e11,
+  local first = redis.call('ZRANGE', KEYS[1], priority * 1e14 - 5e13, priority * 1e14 + 5e13,
     'BYSCORE', 'LIMIT', 0, 1)
   if first[1] then
     local st = redis.call('HGET', KEYS[5], first[1])

@@ -180,13 +180,71 @@ def test_bad_input_is_dead_lettered_with_a_reason_and_the_worker_keeps_running(
     queue = queue_of(redis_server, redis_db)
     queue.publish([OutgoingMessage("garbage", b"{not json")])
     queue.publish([OutgoingMessage("no-envelope", b'{"body": "x"}')])
+    queue.publish([OutgoingMessage("bad-info", b'{"body": "e30=", "properties": {"delivery_info": 7}}')])
     celery_app.send_task("no.such.task", args=(1,), queue="tests")
+    with celery_app.producer_or_acquire() as producer:
+        producer.publish(
+            "{not json",
+            routing_key="tests",
+            serializer=None,
+            content_type="application/json",
+            content_encoding="utf-8",
+            headers={"task": "tests.broker_ext.worker_app.record_run", "id": "undecodable"},
+        )
     start_worker()
     record_run.delay(11)
     assert wait_for(lambda: record.llen("finished") == 1, timeout=30)
-    assert wait_for(lambda: queue.stats().dead == 3, timeout=10)
+    assert wait_for(lambda: queue.stats().dead == 5, timeout=10), queue.dead_letters()
     reasons = {letter.message_id: letter.reason for letter in queue.dead_letters()}
-    assert reasons["garbage"].startswith("malformed body")
-    assert reasons["no-envelope"].startswith("malformed body")
-    assert "rejected by the consumer" in reasons.values()
+    assert reasons["garbage"].startswith("malformed body: not JSON")
+    assert reasons["no-envelope"] == "malformed body: the envelope has no properties object"
+    assert reasons["bad-info"] == "malformed body: properties.delivery_info is not an object"
+    assert reasons["undecodable.0"].startswith("undecodable body")
+    assert any(reason.startswith("unknown task") for reason in reasons.values())
     assert queue.stats().ready == 0 and queue.stats().leased == 0
+
+
+def test_a_task_that_replaces_itself_runs_its_replacement(celery_app, start_worker, record):
+    from tests.broker_ext.worker_app import replaced
+
+    worker = start_worker()
+    replaced.delay(5)
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=30), worker.output(3000)
+    assert [run["n"] for run in runs(record)] == [5]
+
+
+def test_a_running_task_keeps_its_lease_through_a_lost_broker_connection(
+    celery_app, start_worker, record, redis_server, redis_db
+):
+    """Celery closes the channel on a lost connection; the running task must not be given back and rerun."""
+    from tests.broker_ext.worker_app import record_run
+
+    worker = start_worker(pool="prefork", concurrency=2, transport_options={"lease_timeout": 3})
+    record_run.delay(1, sleep=8)
+    assert wait_for(lambda: record.llen("runs") == 1, timeout=30), worker.output(3000)
+    redis_server.client().client_kill_filter(_type="normal")
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=30), worker.output(3000)
+    queue = queue_of(redis_server, redis_db)
+    assert wait_for(lambda: queue.stats().leased == 0, timeout=10), queue.stats()
+    time.sleep(1)
+    assert [run["n"] for run in runs(record)] == [1], worker.output(3000)
+    assert queue.stats().ready == 0
+
+
+def test_a_worker_survives_its_redis_turning_replica_and_back(
+    celery_app, start_worker, record, redis_server, redis_db
+):
+    """A failover makes the old master a replica (READONLY, UNBLOCKED): a lost connection, not a crash."""
+    from lab.redis_servers import RedisServer
+    from tests.broker_ext.worker_app import record_run
+
+    worker = start_worker()
+    record_run.delay(1)
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=30), worker.output(3000)
+    with RedisServer() as other:
+        redis_server.client().replicaof("127.0.0.1", other.port)
+        time.sleep(2)
+        redis_server.client().replicaof("no", "one")
+    assert worker.alive(), worker.output(3000)
+    record_run.delay(2)
+    assert wait_for(lambda: record.llen("finished") == 2, timeout=60), worker.output(3000)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kombu import Connection, Exchange, Producer, Queue
+from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from broker_ext.errors import MessageTooLarge
+from broker_ext.errors import MessageTooLarge, ScriptRefused
 from broker_ext.messages import delay_ms_of, message_id_of
+from broker_ext.queue import OutgoingMessage
 from broker_ext.transport import Transport
+from lab.processes import wait_for
 
 
 def test_importing_broker_ext_registers_fenced_and_fenceds():
@@ -73,3 +77,122 @@ def test_batch_publish_sends_many_messages_through_one_pipeline(fenced_url):
             for n in range(120):
                 producer.publish({"n": n}, exchange=queue.exchange, routing_key="batched")
         assert conn.default_channel.fenced_queue("batched").stats().ready == 120
+
+
+def test_a_replaced_task_is_a_new_message_not_a_duplicate_of_the_one_it_replaces():
+    original = {"headers": {"id": "t1", "retries": 0}, "properties": {}}
+    replacement = {"headers": {"id": "t1", "retries": 0, "replaced_task_nesting": 1}, "properties": {}}
+    assert message_id_of(original) != message_id_of(replacement) == "t1.0.r1"
+
+
+def consume(conn: Connection, queue: Queue, got: list, *, ack: bool = True, prefetch: int = 10):
+    def on_message(body, message) -> None:
+        got.append((body, message))
+        if ack:
+            message.ack()
+
+    return Consumer(conn.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch)
+
+
+def drain_until(conn: Connection, done, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)
+    return bool(done())
+
+
+def test_an_ack_waits_for_the_next_claim_and_the_keeper_sends_it_if_none_comes(fenced_url):
+    queue = Queue("acks", Exchange("acks"), routing_key="acks")
+    with Connection(fenced_url, transport_options={"ack_flush_interval": 30}) as conn:
+        Producer(conn.channel()).publish(
+            {"n": 1}, exchange=queue.exchange, routing_key="acks", declare=[queue]
+        )
+        got: list = []
+        with consume(conn, queue, got) as consumer:
+            assert drain_until(conn, lambda: got, seconds=5)
+            fenced = consumer.channel.fenced_queue("acks")
+            assert fenced.stats().leased == 1  # acked in the consumer, not yet in Redis
+            Producer(conn.channel()).publish({"n": 2}, exchange=queue.exchange, routing_key="acks")
+            assert drain_until(conn, lambda: len(got) == 2, seconds=5)
+            assert fenced.stats().counters["acked"] == 1  # the first ack went with the second claim
+    with Connection(fenced_url, transport_options={"ack_flush_interval": 0.05}) as conn:
+        Producer(conn.channel()).publish({"n": 3}, exchange=queue.exchange, routing_key="acks")
+        got = []
+        with consume(conn, queue, got) as consumer:
+            assert drain_until(conn, lambda: got, seconds=5)
+            fenced = consumer.channel.fenced_queue("acks")
+            assert wait_for(lambda: fenced.stats().leased == 0, timeout=5)  # sent by the lease keeper
+
+
+def test_a_no_ack_get_takes_the_message_for_good(fenced_url):
+    with Connection(fenced_url, transport_options={"lease_timeout": 0.3, "reclaim_interval": 0.1}) as conn:
+        simple = conn.SimpleQueue("gets", no_ack=True)
+        simple.put({"n": 1})
+        assert simple.get(timeout=2).payload == {"n": 1}
+        fenced = conn.default_channel.fenced_queue("gets")
+        fenced.reclaim_all()
+        stats = fenced.stats()
+        assert (stats.ready, stats.leased, stats.dead) == (0, 0, 0)
+        simple.close()
+
+
+def test_a_consumed_queue_with_x_expires_is_kept_alive_while_it_is_used(fenced_url):
+    queue = Queue("short-lived", Exchange("short-lived"), routing_key="short-lived", expires=1.0)
+    options = {"reclaim_interval": 0.2, "lease_timeout": 1}
+    with Connection(fenced_url, transport_options=options) as conn:
+        got: list = []
+        with consume(conn, queue, got):
+            eta = (datetime.now(UTC) + timedelta(seconds=2.5)).isoformat()
+            Producer(conn.channel()).publish(
+                {"n": 1},
+                exchange=queue.exchange,
+                routing_key="short-lived",
+                headers={"eta": eta},
+                declare=[queue],
+            )
+            started = time.monotonic()
+            assert drain_until(conn, lambda: got, seconds=8), "the queue expired while it was consumed"
+            assert time.monotonic() - started > 2
+
+
+def test_a_reject_that_redis_refuses_still_frees_the_prefetch_slot(fenced_url, redis_client):
+    queue = Queue("refusing", Exchange("refusing"), routing_key="refusing")
+    with Connection(fenced_url) as conn:
+        producer = Producer(conn.channel())
+        for n in range(2):
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key="refusing", declare=[queue])
+        got: list = []
+        with consume(conn, queue, got, ack=False, prefetch=1) as consumer:
+            assert drain_until(conn, lambda: got, seconds=5)
+            message = got[0][1]
+            state_key = consumer.channel.fenced_queue("refusing").keys.state
+            redis_client.hset(state_key, message.properties["fenced_message_id"], "garbage")
+            with pytest.raises(ScriptRefused, match="CORRUPT"):
+                message.reject(requeue=True)
+            assert consumer.channel.qos.can_consume()
+            assert drain_until(conn, lambda: len(got) == 2, seconds=5)
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"[1, 2]", "not an object"),
+        (b'{"properties": {}}', "no body string"),
+        (b'{"body": "e30=", "properties": {"delivery_info": "x"}}', "delivery_info is not an object"),
+        (b'{"body": "e30=", "properties": {}, "headers": [1]}', "headers is not an object"),
+    ],
+)
+def test_a_malformed_envelope_is_dead_lettered_and_the_consumer_goes_on(fenced_url, payload, reason):
+    queue = Queue("envelopes", Exchange("envelopes"), routing_key="envelopes")
+    with Connection(fenced_url) as conn:
+        fenced = conn.default_channel.fenced_queue("envelopes")
+        queue(conn.default_channel).declare()
+        fenced.publish([OutgoingMessage("broken", payload)])
+        Producer(conn.channel()).publish({"n": 1}, exchange=queue.exchange, routing_key="envelopes")
+        got: list = []
+        with consume(conn, queue, got):
+            assert drain_until(conn, lambda: got, seconds=5)
+        assert [body for body, _ in got] == [{"n": 1}]
+        (letter,) = fenced.dead_letters()
+        assert letter.message_id == "broken" and reason in letter.reason

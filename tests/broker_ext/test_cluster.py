@@ -8,7 +8,7 @@ import time
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from broker_ext.errors import ClusterConfigurationError, ClusterUnavailable
+from broker_ext.errors import ClusterConfigurationError, RedisUnavailable
 from broker_ext.keys import QueueKeys
 from broker_ext.queue import FencedQueue, OutgoingMessage
 from broker_ext.scripts import Reply
@@ -80,7 +80,7 @@ def test_a_moving_slot_pauses_its_queue_then_calls_follow_moved_to_the_new_owner
     source.client().migrate(
         "127.0.0.1", target.port, source.client().cluster("getkeysinslot", slot, 1000), 0, 5000
     )
-    with pytest.raises(ClusterUnavailable):
+    with pytest.raises(RedisUnavailable):
         queue.ack(first)
 
     for node in redis_cluster.live_nodes():

@@ -335,3 +335,103 @@ def test_all_keys_of_a_queue_share_one_cluster_slot_even_with_braces_in_the_name
         }
         assert len(slots) == 1, name
     assert QueueKeys("{x}").base != QueueKeys("%7Bx%7D").base
+
+
+def test_a_resent_claim_never_returns_a_delivery_someone_else_got_since(queue):
+    """The first claim's lease expired and another consumer claimed the message: the resend gets nothing."""
+    queue.publish([message("a")])
+    (first,) = queue.claim(1, request_id="req-a")
+    time.sleep(0.35)
+    queue.reclaim()
+    (second,) = queue.claim(1, request_id="req-b")
+    assert second.delivery.token > first.delivery.token
+    assert queue.claim(1, request_id="req-a") == []
+
+
+def test_giving_a_delivery_back_ends_it_so_its_late_ack_and_extend_are_stale(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    assert queue.requeue([claimed.delivery], counted=False) == [Reply.OK]
+    assert queue.extend([claimed.delivery]) == [Reply.STALE]  # the keeper must not take it back
+    assert queue.ack([claimed.delivery]) == [Reply.STALE]
+    assert queue.stats().ready == 1
+
+
+def test_a_reclaimed_delivery_given_back_still_gets_its_token_floor_and_delay(queue):
+    """A deferral whose lease had lapsed: the floor and the delay apply, and its late ack is stale."""
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    time.sleep(0.35)
+    assert queue.reclaim() == (1, 0)
+    floor = claimed.delivery.token + 1_000_000
+    assert queue.requeue([claimed.delivery], counted=False, delay_ms=300, token_floor=floor) == [Reply.OK]
+    assert queue.ack([claimed.delivery]) == [Reply.STALE]
+    assert queue.claim() == [] and queue.stats().delayed == 1
+    time.sleep(0.35)
+    (again,) = queue.claim()
+    assert again.delivery.token > floor
+
+
+def test_a_requeue_out_of_deliveries_dead_letters_with_the_reason_it_was_given(queue):
+    queue.publish([message("a")])
+    for _ in range(3):
+        (claimed,) = queue.claim()
+        reply = queue.requeue([claimed.delivery], counted=True, reason="database unavailable")
+    assert reply == [Reply.DEAD_LETTERED]
+    (letter,) = queue.dead_letters()
+    assert letter.reason.startswith("database unavailable: given back 3 times")
+
+
+def test_a_priority_must_be_a_whole_number(queue, redis_client):
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="integer priority"):
+        queue.publish([message("a", priority=5.5)])
+    assert snapshot(redis_client) == before
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda c, k: c.hdel(k.bodies, "bad"), "body missing"),
+        (lambda c, k: c.hset(k.state, "bad", "not|a|state"), "corrupt state"),
+        (lambda c, k: c.hdel(k.state, "bad"), "missing or corrupt state"),
+    ],
+)
+def test_a_ready_message_that_cannot_be_delivered_is_dead_lettered_with_the_reason(
+    queue, redis_client, damage, reason
+):
+    queue.publish([message("bad"), message("good")])
+    damage(redis_client, queue.keys)
+    claimed = queue.claim(2)
+    assert [c.delivery.message_id for c in claimed] == ["good"]
+    (letter,) = queue.dead_letters()
+    assert letter.message_id == "bad" and reason in letter.reason
+    assert queue.stats().ready == 0
+
+
+def test_priority_order_holds_after_a_trillion_publishes(queue, redis_client):
+    redis_client.set(queue.keys.seq, 2 * 10**12)
+    queue.publish([message("low", priority=1), message("high", priority=0)])
+    (claimed,) = queue.claim()
+    queue.requeue([claimed.delivery], counted=False)  # back to the front of priority 0
+    assert [c.delivery.message_id for c in queue.claim(2)] == ["high", "low"]
+
+
+def test_a_resent_revive_never_takes_back_a_message_a_consumer_claimed_since(queue):
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    queue.dead_letter([claimed.delivery], "bad")
+    assert queue.revive(["a"]) == [Reply.OK]
+    (holder,) = queue.claim()
+    assert queue.revive(["a"]) == [Reply.STALE]  # the resend: the message is leased now
+    assert queue.ack([holder.delivery]) == [Reply.OK]
+
+
+def test_revive_with_the_token_seen_takes_a_message_from_a_lease_and_fences_its_holder(queue):
+    queue.publish([message("a")])
+    (stuck,) = queue.claim()
+    assert queue.revive(["a"], tokens={"a": stuck.delivery.token - 1}) == [Reply.STALE]
+    assert queue.revive(["a"], tokens={"a": stuck.delivery.token}) == [Reply.OK]
+    assert queue.ack([stuck.delivery]) == [Reply.STALE]
+    (again,) = queue.claim()
+    assert again.delivery.token > stuck.delivery.token

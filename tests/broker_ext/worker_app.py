@@ -27,6 +27,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     task_default_queue="tests",
+    worker_consumer="broker_ext.worker:Consumer",
 )
 
 _record = redis.Redis.from_url(os.environ.get("TEST_RECORD_URL", "redis://127.0.0.1:6379/14"))
@@ -50,3 +51,9 @@ def record_run(self, n: int, sleep: float = 0.0) -> None:
     )
     time.sleep(sleep)
     _record.rpush("finished", n)
+
+
+@app.task(bind=True)
+def replaced(self, n: int) -> None:
+    """Replaces itself with ``record_run(n)`` (same task id, one replacement deeper)."""
+    raise self.replace(record_run.s(n))

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import pytest
 
+from broker_ext.queue import FencedQueue
 from lab.processes import CeleryWorker
 from tests.helpers import reset_connections
 
@@ -87,6 +88,18 @@ def private_redis(settings, redis_server, redis_db, fenced_url) -> Iterator[None
     app.conf.task_always_eager = False
     yield
     reset_connections(app)
+
+
+@pytest.fixture
+def queue(redis_server, redis_db) -> FencedQueue:
+    """The fenced queue ``celery`` (Celery's default queue) in this test's private Redis database."""
+    return FencedQueue(redis_server.client(db=redis_db), "celery")
+
+
+@pytest.fixture
+def fast_password_hashing(settings) -> None:
+    """For tests whose logins are about permissions, not passwords: skip PBKDF2's deliberate slowness."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 @pytest.fixture

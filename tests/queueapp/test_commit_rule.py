@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
 from broker_ext.queue import FencedQueue, OutgoingMessage
 from broker_ext.scripts import Reply
@@ -117,11 +117,6 @@ def test_on_postgresql_a_body_overtaken_while_running_is_rolled_back(effects):
     assert [row[0] for row in effects()] == ["new"]
 
 
-@pytest.fixture
-def fenced_queue(redis_server, redis_db) -> FencedQueue:
-    return FencedQueue(redis_server.client(db=redis_db), "celery")
-
-
 def claimed(queue: FencedQueue, message_id: str):
     queue.publish([OutgoingMessage(message_id, b"{}")])
     (item,) = queue.claim(1)
@@ -132,12 +127,10 @@ def as_info(fenced) -> DeliveryInfo:
     return delivery(fenced.token, message_id=fenced.message_id, count=fenced.deliveries)
 
 
-def test_a_token_below_the_database_s_is_deferred_with_a_floor_and_runs_later(
-    effects, fenced_queue, settings
-):
+def test_a_token_below_the_database_s_is_deferred_with_a_floor_and_runs_later(effects, queue, settings):
     """After a failover Redis may hand out a token below one the database saw: never commit, never drop."""
     settings.QUEUEAPP = {"DEFER_DELAY": 0.2}
-    first = claimed(fenced_queue, "m1")
+    first = claimed(queue, "m1")
     TaskOutcome.objects.create(
         idempotency_key="k", task_name=TASK.name, status="running", fence_token=first.token + 10_000
     )
@@ -149,9 +142,9 @@ def test_a_token_below_the_database_s_is_deferred_with_a_floor_and_runs_later(
     assert outcome.deferrals == 1
     assert list(TaskDelivery.objects.values_list("verdict", flat=True)) == [Verdict.DEFERRED]
     # The deferred delivery's own late ack is refused: the message is not lost.
-    assert fenced_queue.ack([first]) == [Reply.STALE]
+    assert queue.ack([first]) == [Reply.STALE]
     again = []
-    assert wait_for(lambda: again.extend(fenced_queue.claim(1)) or again, timeout=10)
+    assert wait_for(lambda: again.extend(queue.claim(1)) or again, timeout=10)
     second = again[0].delivery
     assert second.token > outcome.fence_token
     result = execute(
@@ -162,10 +155,10 @@ def test_a_token_below_the_database_s_is_deferred_with_a_floor_and_runs_later(
     assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
 
 
-def test_a_delivery_redis_already_replaced_is_refused_as_stale(effects, fenced_queue):
-    first = claimed(fenced_queue, "m1")
-    fenced_queue.requeue([first])
-    (item,) = fenced_queue.claim(1)
+def test_a_delivery_redis_already_replaced_is_refused_as_stale(effects, queue):
+    first = claimed(queue, "m1")
+    queue.requeue([first])
+    (item,) = queue.claim(1)
     second = item.delivery
     assert second.token > first.token
     ledger.claim("k", as_info(second), args=[], kwargs={}, lease_seconds=30)
@@ -175,4 +168,121 @@ def test_a_delivery_redis_already_replaced_is_refused_as_stale(effects, fenced_q
     assert effects() == []
     outcome = TaskOutcome.objects.get(idempotency_key="k")
     assert (outcome.stale_refusals, outcome.deferrals) == (1, 0)
-    assert fenced_queue.stats().leased == 1  # The newer delivery still holds its lease.
+    assert queue.stats().leased == 1  # The newer delivery still holds its lease.
+
+
+def attempt(fenced, retries: int, *, task_id: str = "t1") -> DeliveryInfo:
+    return DeliveryInfo(
+        task_id=task_id,
+        task_name=TASK.name,
+        retries=retries,
+        token=fenced.token,
+        delivery_count=fenced.deliveries,
+        queue=fenced.queue,
+        message_id=fenced.message_id,
+        worker="w",
+    )
+
+
+def test_an_older_attempt_redelivered_after_its_retry_took_the_key_never_takes_it_back(effects, queue):
+    """Attempt 0 published its retry, then its worker died: its redelivery must not strand the key."""
+    first = claimed(queue, "t1.0")
+    assert isinstance(
+        ledger.claim("k", attempt(first, 0), args=[], kwargs={}, lease_seconds=30), ledger.Claim
+    )
+    retry = ledger.claim("k", attempt(claimed(queue, "t1.1"), 1), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(retry, ledger.Claim)
+    queue.requeue([first], counted=True)  # the dead worker's message comes back...
+    (again,) = queue.claim(1)
+    assert again.delivery.token > retry.token  # ...with the highest token of all
+    decision = ledger.claim("k", attempt(again.delivery, 0), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(decision, ledger.Suppressed)
+    ledger.commit(retry, lambda: demo_tasks.record_effect("retry"))
+    assert [row[0] for row in effects()] == ["retry"]
+    log = TaskDelivery.objects.filter(verdict=Verdict.SUPPRESSED_DUPLICATE).get()
+    assert log.detail == "attempt 0 superseded by retry 1"
+
+
+def test_a_retry_takes_the_key_even_with_a_lower_broker_token_and_the_key_s_token_still_grows(effects):
+    def info(token: int, retries: int) -> DeliveryInfo:
+        return DeliveryInfo(task_id="t1", task_name=TASK.name, retries=retries, token=token, worker="w")
+
+    first = ledger.claim("k", info(300, 0), args=[], kwargs={}, lease_seconds=30)
+    retry = ledger.claim("k", info(200, 1), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(retry, ledger.Claim) and retry.token == 301 > first.token
+    with pytest.raises(DeliveryRefused):
+        ledger.commit(first, lambda: demo_tasks.record_effect("first"))
+    ledger.commit(retry, lambda: demo_tasks.record_effect("retry"))
+    assert [row[0] for row in effects()] == ["retry"]
+
+
+def test_a_database_error_inside_the_body_gives_the_delivery_back_instead_of_losing_it(
+    effects, queue, settings
+):
+    """The body's transaction failed on the database: nothing committed, and the task is not acked away."""
+    settings.QUEUEAPP = {"DEFER_DELAY": 0.2}
+    first = claimed(queue, "m1")
+
+    def body():
+        demo_tasks.record_effect("lost write")
+        raise OperationalError("server closed the connection unexpectedly")
+
+    assert execute(TASK, "k", body, (), {}, delivery=as_info(first)) is None
+    assert effects() == []
+    assert queue.ack([first]) == [Reply.STALE]  # Celery's late ack cannot remove it
+    assert TaskOutcome.objects.get(idempotency_key="k").status == "queued"
+    again: list = []
+    assert wait_for(lambda: again.extend(queue.claim(1)) or again, timeout=10)
+    execute(
+        TASK, "k", lambda: demo_tasks.record_effect("second try"), (), {}, delivery=as_info(again[0].delivery)
+    )
+    assert [row[0] for row in effects()] == ["second try"]
+
+
+def test_the_wait_of_a_delivery_given_back_for_the_database_doubles_with_each_delivery(
+    queue, settings, redis_client
+):
+    settings.QUEUEAPP = {"DEFER_DELAY": 1.0, "DEFER_MAX_DELAY": 60.0}
+    queue.publish([OutgoingMessage("m1", b"{}")])
+    for _ in range(3):
+        (item,) = queue.claim(1)
+        if item.delivery.deliveries < 3:
+            queue.requeue([item.delivery], counted=True)
+    assert item.delivery.deliveries == 3
+    execute(
+        TASK,
+        "k",
+        lambda: (_ for _ in ()).throw(OperationalError("gone")),
+        (),
+        {},
+        delivery=as_info(item.delivery),
+    )
+    due_ms = redis_client.zscore(queue.keys.delayed, "m1")
+    seconds, micros = redis_client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    assert 3_000 <= due_ms - now_ms <= 4_500  # 1 s doubled twice
+
+
+@pytest.mark.postgres
+def test_on_postgresql_a_connection_killed_mid_body_loses_no_task(effects, queue, settings):
+    """A real failure: the body's own database session is terminated while it runs."""
+    import psycopg
+    from django.db import connection as django_connection
+
+    settings.QUEUEAPP = {"DEFER_DELAY": 0.2}
+    first = claimed(queue, "m1")
+    params = django_connection.get_connection_params()
+
+    def body():
+        demo_tasks.record_effect("half")
+        with psycopg.connect(**{**params, "autocommit": True}) as killer:
+            killer.execute("SELECT pg_terminate_backend(%s)", [django_connection.connection.info.backend_pid])
+        demo_tasks.record_effect("never")
+
+    assert execute(TASK, "k", body, (), {}, delivery=as_info(first)) is None
+    django_connection.close()
+    assert effects() == []
+    again: list = []
+    assert wait_for(lambda: again.extend(queue.claim(1)) or again, timeout=10)
+    execute(TASK, "k", lambda: demo_tasks.record_effect("whole"), (), {}, delivery=as_info(again[0].delivery))
+    assert [row[0] for row in effects()] == ["whole"]

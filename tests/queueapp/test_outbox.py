@@ -18,11 +18,6 @@ from tests.queueapp import demo_tasks
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
 
 
-@pytest.fixture
-def queue(redis_server, redis_db) -> FencedQueue:
-    return FencedQueue(redis_server.client(db=redis_db), "celery")
-
-
 def test_nothing_is_published_before_the_transaction_commits(queue):
     with transaction.atomic():
         task_id = enqueue_on_commit(demo_tasks.charge, 5, 10)

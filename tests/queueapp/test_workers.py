@@ -41,11 +41,6 @@ def drained(queue: FencedQueue) -> bool:
     return stats.ready + stats.leased + stats.delayed == 0
 
 
-@pytest.fixture
-def queue(redis_server, redis_db) -> FencedQueue:
-    return FencedQueue(redis_server.client(db=redis_db), "celery")
-
-
 def test_two_deliveries_of_one_key_in_two_worker_processes_make_one_effect(effects, start_worker, queue):
     one, two = start_worker(name="one"), start_worker(name="two", pool="prefork")
     demo_tasks.charge.delay(7, 100, sleep=2)

@@ -1,0 +1,84 @@
+"""Celery's worker consumer, adjusted for fenced deliveries (``worker_consumer``).
+
+Set ``worker_consumer = "broker_ext.worker:Consumer"`` (Django: ``CELERY_WORKER_CONSUMER``).
+
+Two behaviours of Celery's own consumer fight the transport's guarantees:
+
+* A message whose body cannot be decoded is *acked*, so it vanishes. Here it
+  is rejected instead, which dead-letters it with the reason; unknown and
+  invalid tasks keep their reason too, rather than a generic one.
+* When the broker connection is lost, Celery closes the channel, which gives
+  back every message the worker holds, including those of tasks still
+  running: each would run a second time, concurrently. Here the running ones
+  stay leased (the lease keeper goes on extending them through a fresh
+  connection) and their late acks still reach Redis; only the messages that
+  never started are given back.
+
+Everything else is Celery's consumer unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery.worker import state
+from celery.worker.consumer import Consumer as CeleryConsumer
+
+from broker_ext.qos import FencedQoS
+
+logger = logging.getLogger(__name__)
+
+
+def _fenced_qos(message) -> FencedQoS | None:
+    qos = getattr(getattr(message, "channel", None), "qos", None)
+    return qos if isinstance(qos, FencedQoS) else None
+
+
+def _note_reason(message, reason: str) -> None:
+    qos = _fenced_qos(message)
+    if qos is not None:
+        qos.note_reject_reason(message.delivery_tag, reason)
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer; bad messages are dead-lettered with a reason, running tasks survive a reconnect."""
+
+    def on_decode_error(self, message, exc) -> None:
+        if _fenced_qos(message) is None:
+            return super().on_decode_error(message, exc)
+        logger.critical(
+            "cannot decode message %s (content-type %r): %r; dead-lettering it",
+            message.delivery_tag,
+            message.content_type,
+            exc,
+        )
+        _note_reason(message, f"undecodable body: {exc!r}")
+        message.reject(requeue=False)
+        return None
+
+    def on_unknown_message(self, body, message) -> None:
+        _note_reason(message, "unknown message format: not a Celery task message")
+        super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body, message, exc) -> None:
+        _note_reason(message, f"unknown task: {exc}")
+        super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body, message, exc) -> None:
+        _note_reason(message, f"invalid task: {exc}")
+        super().on_invalid_task(body, message, exc)
+
+    def on_connection_error_after_connected(self, exc) -> None:
+        self._keep_running_tasks()
+        super().on_connection_error_after_connected(exc)
+
+    def _keep_running_tasks(self) -> None:
+        """Before Celery closes the channel: the deliveries of running tasks must not be given back."""
+        channel = getattr(self.task_consumer, "channel", None)
+        qos = getattr(channel, "qos", None)
+        if not isinstance(qos, FencedQoS):
+            return
+        running = [request.message.delivery_tag for request in list(state.active_requests)]
+        kept = qos.keep(running)
+        if kept:
+            logger.warning("broker connection lost: %d running tasks keep their leases", kept)

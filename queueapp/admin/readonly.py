@@ -1,0 +1,48 @@
+"""Read-only admins: the idempotency records are evidence, never edited by hand."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.utils.translation import gettext_lazy as _
+
+from queueapp.models import OutboxMessage
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """A record to read: no add, change or delete (deleting an outcome would forget its success)."""
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+class TaskDeliveryAdmin(ReadOnlyAdmin):
+    list_display = ("started_at", "outcome", "verdict", "fence_token", "delivery_count", "worker", "queue")
+    list_filter = ("verdict", "token_source", "queue")
+    search_fields = ("outcome__idempotency_key", "task_id", "message_id", "worker")
+    list_select_related = ("outcome",)
+    date_hierarchy = "started_at"
+
+
+class OutboxMessageAdmin(ReadOnlyAdmin):
+    list_display = (
+        "created_at",
+        "task_name",
+        "task_id",
+        "status",
+        "relay_attempts",
+        "sent_at",
+        "last_error_short",
+    )
+    list_filter = ("status", "task_name")
+    search_fields = ("task_id", "idempotency_key", "task_name")
+    date_hierarchy = "created_at"
+
+    @admin.display(description=_("last error"))
+    def last_error_short(self, message: OutboxMessage) -> str:
+        return message.last_error[:120]

@@ -1,0 +1,251 @@
+"""System checks (``manage.py check``): the broker and Celery settings the guarantees depend on.
+
+========================  =====================================================================
+``queueapp.W001``         the broker URL is not ``fenced://``: the stock transport loses and
+                          duplicates deliveries
+``queueapp.W002``         Redis cannot be reached (a warning: ``migrate`` must still run)
+``queueapp.E001``         Redis older than 7.0 (the scripts declare Redis 7 script flags)
+``queueapp.E002``         ``maxmemory-policy`` is not ``noeviction``: eviction drops queued tasks
+``queueapp.W003``         Redis persists nothing (no AOF, no RDB): a restart loses every task
+``queueapp.E003``         pickle among the accepted content or a serializer
+``queueapp.E004``         ``task_acks_late`` is off with ``fenced://``: an early ack loses work
+``queueapp.W004``         ``task_reject_on_worker_lost`` is off: a killed worker's task is acked
+``queueapp.W005``         ``QUEUEAPP`` has keys this version does not know (typos)
+========================  =====================================================================
+
+The Redis checks connect with a short timeout (:data:`TIMEOUT`) and no
+retries, so a Redis that is down costs about a second, not a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import redis
+from celery import current_app
+from django.core import checks
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from queueapp import conf
+
+#: Seconds the Redis checks wait to connect and for each reply.
+TIMEOUT = 1.0
+MINIMUM_REDIS = (7, 0)
+TAG = "queueapp"
+
+FENCED_SCHEMES = {"fenced": "redis", "fenceds": "rediss"}
+REDIS_SCHEMES = {"redis", "rediss"}
+PICKLE = {"pickle", "application/x-python-serialize"}
+
+
+def _app():
+    return current_app._get_current_object()
+
+
+def broker_url(app) -> str:
+    """The first broker URL Celery will use (failover lists are ``;``-separated or a list)."""
+    url = app.conf.broker_url or ""
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else ""
+    return str(url).split(";")[0].strip()
+
+
+def scheme_of(url: str) -> str:
+    return urlsplit(url).scheme.lower()
+
+
+def redis_url_of(url: str) -> str | None:
+    """The ``redis://`` URL of a ``fenced://`` or ``redis://`` broker URL, ``None`` for other brokers."""
+    scheme = scheme_of(url)
+    if scheme in FENCED_SCHEMES:
+        return FENCED_SCHEMES[scheme] + url[len(scheme) :]
+    return url if scheme in REDIS_SCHEMES else None
+
+
+@dataclass(frozen=True)
+class RedisFacts:
+    """What the checks need to know about the broker's Redis."""
+
+    version: str
+    maxmemory_policy: str
+    aof_enabled: bool
+    rdb_save: str | None  # the ``save`` schedule; ``None`` when CONFIG is not allowed
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        return tuple(int(part) for part in self.version.split(".") if part.isdigit())
+
+
+def read_facts(url: str, ssl_options: dict | None = None, timeout: float = TIMEOUT) -> RedisFacts:
+    """Ask the Redis at ``url``; raises :class:`redis.RedisError` when it cannot be reached."""
+    options = dict(ssl_options or {}) if scheme_of(url) == "rediss" else {}
+    client = redis.Redis.from_url(
+        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), **options
+    )
+    try:
+        server, memory, persistence = (
+            client.info(section) for section in ("server", "memory", "persistence")
+        )
+        try:
+            rdb_save: str | None = str(client.config_get("save").get("save", ""))
+        except redis.ResponseError:  # CONFIG renamed or forbidden (managed Redis): unknown
+            rdb_save = None
+    finally:
+        client.close()
+    return RedisFacts(
+        version=str(server.get("redis_version", "0")),
+        maxmemory_policy=str(memory.get("maxmemory_policy", "")),
+        aof_enabled=bool(int(persistence.get("aof_enabled", 0))),
+        rdb_save=rdb_save,
+    )
+
+
+def version_messages(facts: RedisFacts) -> list[checks.CheckMessage]:
+    if facts.version_tuple >= MINIMUM_REDIS:
+        return []
+    return [
+        checks.Error(
+            f"Redis {facts.version} is older than {'.'.join(map(str, MINIMUM_REDIS))}.",
+            hint="The fenced transport's scripts declare Redis 7 flags (#!lua flags=...). Upgrade Redis.",
+            id="queueapp.E001",
+        )
+    ]
+
+
+def eviction_messages(facts: RedisFacts) -> list[checks.CheckMessage]:
+    if facts.maxmemory_policy == "noeviction":
+        return []
+    return [
+        checks.Error(
+            f"Redis maxmemory-policy is {facts.maxmemory_policy!r}: under memory pressure Redis evicts "
+            "keys, and an evicted queue key is a lost task.",
+            hint="Set maxmemory-policy noeviction (redis.conf or CONFIG SET): a full Redis then refuses "
+            "new publishes (RedisFull, retried) and keeps every queued task.",
+            id="queueapp.E002",
+        )
+    ]
+
+
+def persistence_messages(facts: RedisFacts) -> list[checks.CheckMessage]:
+    if facts.aof_enabled or facts.rdb_save is None or facts.rdb_save.strip():
+        return []
+    return [
+        checks.Warning(
+            'Redis persists nothing (appendonly no, save ""): a restart loses every queued task.',
+            hint="Turn on AOF (appendonly yes, appendfsync everysec or always) for the broker's Redis.",
+            id="queueapp.W003",
+        )
+    ]
+
+
+def check_broker(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """The broker URL is ``fenced://``, and its Redis is new enough, keeps its keys and persists them."""
+    app = _app()
+    url = broker_url(app)
+    messages: list[checks.CheckMessage] = []
+    if scheme_of(url) not in FENCED_SCHEMES:
+        messages.append(
+            checks.Warning(
+                f"The Celery broker URL uses {scheme_of(url) or 'no'}:// rather than fenced://.",
+                hint="The stock Redis transport loses a message when a worker dies between BRPOP and its "
+                "unacked write, and re-delivers tasks running past visibility_timeout. Use "
+                "fenced://host:6379/0 (import broker_ext registers it).",
+                id="queueapp.W001",
+            )
+        )
+    redis_url = redis_url_of(url)
+    if redis_url is None:
+        return messages
+    ssl_options = app.conf.broker_use_ssl if isinstance(app.conf.broker_use_ssl, dict) else None
+    try:
+        facts = read_facts(redis_url, ssl_options)
+    except redis.RedisError as exc:
+        host = urlsplit(redis_url).netloc.rsplit("@", 1)[-1]
+        messages.append(
+            checks.Warning(
+                f"Redis at {host} could not be reached ({type(exc).__name__}); its checks were skipped.",
+                hint="Start Redis, or point CELERY_BROKER_URL at it. Workers cannot run without it.",
+                id="queueapp.W002",
+            )
+        )
+        return messages
+    return messages + version_messages(facts) + eviction_messages(facts) + persistence_messages(facts)
+
+
+def _pickled(values: Iterable[str] | str | None) -> bool:
+    if values is None:
+        return False
+    if isinstance(values, str):
+        values = [values]
+    return any(str(value).lower() in PICKLE for value in values)
+
+
+def check_serializers(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """No pickle anywhere a message or result is decoded: unpickling runs the sender's code."""
+    conf_ = _app().conf
+    settings = {
+        "accept_content": conf_.accept_content,
+        "result_accept_content": conf_.result_accept_content,
+        "task_serializer": conf_.task_serializer,
+        "result_serializer": conf_.result_serializer,
+        "event_serializer": conf_.event_serializer,
+    }
+    return [
+        checks.Error(
+            f"Celery's {name} allows pickle.",
+            hint="Whoever can write to Redis can run code in every worker that unpickles. Use json "
+            "(CELERY_ACCEPT_CONTENT = ['json'], CELERY_TASK_SERIALIZER = 'json').",
+            id="queueapp.E003",
+        )
+        for name, value in settings.items()
+        if _pickled(value)
+    ]
+
+
+def check_acknowledgement(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """With fenced://, tasks are acked after they ran, and a killed worker's task goes back."""
+    app = _app()
+    if scheme_of(broker_url(app)) not in FENCED_SCHEMES:
+        return []
+    messages: list[checks.CheckMessage] = []
+    if not app.conf.task_acks_late:
+        messages.append(
+            checks.Error(
+                "task_acks_late is False: a task is acked before it runs, so a worker crash loses it.",
+                hint="Set CELERY_TASK_ACKS_LATE = True: leases and fencing tokens make a redelivery safe.",
+                id="queueapp.E004",
+            )
+        )
+    if not app.conf.task_reject_on_worker_lost:
+        messages.append(
+            checks.Warning(
+                "task_reject_on_worker_lost is False: when a pool process dies, Celery acks its task.",
+                hint="Set CELERY_TASK_REJECT_ON_WORKER_LOST = True so the task goes back to the queue; "
+                "the idempotency record keeps its effects exactly-once.",
+                id="queueapp.W004",
+            )
+        )
+    return messages
+
+
+def check_settings(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """``QUEUEAPP`` keys this version does not know are likely typos, silently ignored otherwise."""
+    unknown = conf.unknown_keys()
+    if not unknown:
+        return []
+    return [
+        checks.Warning(
+            f"QUEUEAPP has unknown keys: {', '.join(unknown)}.",
+            hint=f"Known keys: {', '.join(conf.DEFAULTS)}.",
+            id="queueapp.W005",
+        )
+    ]
+
+
+def register() -> None:
+    """Register every check (called from :meth:`queueapp.apps.QueueappConfig.ready`)."""
+    for check in (check_broker, check_serializers, check_acknowledgement, check_settings):
+        checks.register(check, TAG)

@@ -1,0 +1,130 @@
+"""``manage.py requeue``: run failed, dead, stuck or dead-lettered tasks again, under the same key."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from celery import current_app
+from django.core.management.base import BaseCommand, CommandError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from queueapp.broker import fenced_channel
+from queueapp.errors import BrokerUnavailable
+from queueapp.ops import actions
+from queueapp.ops.queues import known_queues
+from queueapp.ops.selection import STATUS_CHOICES, parse_duration, select_outcomes
+
+#: Runs of at least this many keys or messages show a progress bar (on stderr).
+PROGRESS_THRESHOLD = 20
+
+
+class Command(BaseCommand):
+    help = (
+        "Requeue tasks under their own idempotency key: a key that already succeeded is skipped and "
+        "never runs again. A message the broker still holds (dead-lettered, leased past its lease, "
+        "delayed) is revived with a new fencing token; one the broker no longer has is published again "
+        "with the same task id. Select outcome rows with --key, --task-id, --task, --status, "
+        "--older-than and --queue (all must match), or the Redis dead-letter set with --dead-lettered."
+    )
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--key", action="append", default=[], help="idempotency key (repeatable)")
+        parser.add_argument("--task-id", action="append", default=[], help="Celery task id (repeatable)")
+        parser.add_argument("--task", help="registered task name")
+        parser.add_argument("--status", choices=STATUS_CHOICES, help="failed, dead, or stuck (STUCK_AFTER)")
+        parser.add_argument(
+            "--older-than", type=_duration, help="unchanged for at least this long: 30s, 15m, 1h, 2d"
+        )
+        parser.add_argument("--queue", help="only this queue (with --dead-lettered: its dead-letter set)")
+        parser.add_argument(
+            "--dead-lettered",
+            action="store_true",
+            help="revive the messages in the Redis dead-letter set of --queue (default: every known queue)",
+        )
+        parser.add_argument("--dry-run", action="store_true", help="list what would be done; change nothing")
+        parser.add_argument("--json", action="store_true", dest="as_json", help="print the results as JSON")
+
+    def handle(self, *args, **options) -> None:
+        app = current_app._get_current_object()
+        selectors = ("key", "task_id", "task", "status", "older_than")
+        if options["dead_lettered"]:
+            if any(options[name] for name in selectors):
+                raise CommandError("--dead-lettered takes only --queue: it revives a queue's dead-letter set")
+        elif not any(options[name] for name in (*selectors, "queue")):
+            raise CommandError(
+                "say what to requeue: --key, --task-id, --task, --status, --older-than, --queue"
+            )
+        try:
+            if options["dead_lettered"]:
+                results = self._dead_lettered(app, options["queue"], options["dry_run"])
+            else:
+                outcomes = list(
+                    select_outcomes(
+                        keys=options["key"],
+                        task_ids=options["task_id"],
+                        task=options["task"],
+                        status=options["status"],
+                        older_than=options["older_than"],
+                        queue=options["queue"],
+                    )
+                )
+                with self._progress(len(outcomes), "requeueing") as tick:
+                    results = actions.requeue(app, outcomes, dry_run=options["dry_run"], progress=tick)
+        except BrokerUnavailable as exc:
+            raise CommandError(f"nothing requeued: {exc}") from exc
+        self._report(results, dry_run=options["dry_run"], as_json=options["as_json"])
+
+    def _dead_lettered(self, app, queue: str | None, dry_run: bool) -> list[actions.ActionResult]:
+        with fenced_channel(app) as channel:
+            names = [queue] if queue else known_queues(app, channel)
+            total = sum(channel.fenced_queue(name).stats().dead for name in names)
+        results = []
+        with self._progress(total, "requeueing dead letters") as tick:
+            for name in names:
+                results += actions.requeue_dead_letters(app, name, dry_run=dry_run, progress=tick)
+        return results
+
+    @contextmanager
+    def _progress(self, total: int, label: str) -> Iterator[Callable[[], None] | None]:
+        """A rich progress bar on stderr for long runs; yields the per-item callback (or ``None``)."""
+        if total < PROGRESS_THRESHOLD:
+            yield None
+            return
+        columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=Console(file=self.stderr)) as progress:
+            task = progress.add_task(label, total=total)
+            yield lambda: progress.advance(task)
+
+    def _report(self, results: list[actions.ActionResult], *, dry_run: bool, as_json: bool) -> None:
+        counts = Counter(result.verdict for result in results)
+        if as_json:
+            summary = {"dry_run": dry_run, **{v: counts[v] for v in ("done", "planned", "skipped", "failed")}}
+            self.stdout.write(json.dumps({"summary": summary, "results": [r.as_dict() for r in results]}))
+        else:
+            for result in results:
+                label = result.key or f"{result.queue}/{result.message_id}"
+                verdict = {"planned": f"would {result.step.value}", "done": "requeued"}.get(
+                    result.verdict, result.verdict
+                )
+                line = f"{verdict:<16} {label}  [{result.queue}] {result.error or result.detail}"
+                write = self.stderr.write if result.verdict == "failed" else self.stdout.write
+                write(line)
+            if dry_run:
+                summary = f"dry run: {counts['planned']} would be requeued, {counts['skipped']} skipped"
+            else:
+                summary = f"{counts['done']} requeued, {counts['skipped']} skipped, {counts['failed']} failed"
+            self.stdout.write(self.style.SUCCESS(summary) if not counts["failed"] else summary)
+        if counts["failed"]:
+            raise CommandError(f"{counts['failed']} could not be requeued")
+
+
+def _duration(text: str):
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc

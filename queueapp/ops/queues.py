@@ -1,0 +1,117 @@
+"""Which fenced queues exist, their live depths, and reclaiming their expired leases now.
+
+A queue is known when Celery is configured with it, when an outcome row names
+it, or when its ``stats`` hash exists in Redis (found by a ``SCAN`` bounded by
+``QUEUE_SCAN_LIMIT``, so queues nobody configured still show up). Pidbox reply
+queues of ``celery inspect`` / ``control`` are left out: they are transient.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from broker_ext.keys import PREFIX
+from broker_ext.queue import QueueStats
+from queueapp import conf
+from queueapp.broker import fenced_channel
+from queueapp.models import TaskOutcome
+
+_STATS_KEY = re.compile(r"fenced:\{(?P<tag>[^{}]*)\}:stats$")
+_TRANSIENT_SUFFIX = ".reply.celery.pidbox"
+_SCAN_BATCH = 1000
+
+
+def _unescape_tag(tag: str) -> str:
+    """Invert :func:`broker_ext.keys.hash_tag` (the order matters: ``%25`` last)."""
+    return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
+
+def queue_of_stats_key(key: str) -> str | None:
+    """The queue name a ``fenced:{tag}:stats`` key belongs to (any global prefix before it), or ``None``."""
+    match = _STATS_KEY.search(key)
+    return _unescape_tag(match.group("tag")) if match else None
+
+
+def configured_queues(app) -> set[str]:
+    """The queues Celery is configured with: ``task_queues`` and the default queue."""
+    names = {app.conf.task_default_queue or "celery"}
+    for queue in app.conf.task_queues or ():
+        name = getattr(queue, "name", queue)
+        if isinstance(name, str) and name:
+            names.add(name)
+    return names
+
+
+def scanned_queues(channel, limit: int | None = None) -> set[str]:
+    """Queues with a ``stats`` hash in Redis, looking at no more than ``limit`` keys."""
+    limit = limit if limit is not None else int(conf.get("QUEUE_SCAN_LIMIT"))
+    client = channel.fenced_client
+    pattern = f"{channel.global_keyprefix}{PREFIX}:{{*}}:stats"
+    names: set[str] = set()
+    cursor, examined = 0, 0
+    while examined < limit:
+        cursor, keys = client.scan(cursor, match=pattern, count=min(_SCAN_BATCH, limit - examined))
+        examined += _SCAN_BATCH
+        for key in keys:
+            name = queue_of_stats_key(key.decode() if isinstance(key, bytes) else key)
+            if name is not None:
+                names.add(name)
+        if cursor == 0:
+            break
+    return names
+
+
+def known_queues(app, channel=None) -> list[str]:
+    """Every queue ops should see, sorted: configured, named by an outcome, or found in Redis."""
+    names = configured_queues(app)
+    names.update(
+        TaskOutcome.objects.using(conf.get("DATABASE"))
+        .exclude(queue="")
+        .values_list("queue", flat=True)
+        .distinct()
+    )
+    if channel is not None:
+        names.update(scanned_queues(channel))
+    return sorted(name for name in names if not name.endswith(_TRANSIENT_SUFFIX))
+
+
+def queue_stats(app, queues: list[str] | None = None) -> list[QueueStats]:
+    """One consistent snapshot per queue (one script call each), for the Queues page and ``queue_status``."""
+    with fenced_channel(app) as channel:
+        names = queues if queues else known_queues(app, channel)
+        return [channel.fenced_queue(name).stats() for name in names]
+
+
+@dataclass(frozen=True)
+class ReclaimReport:
+    """What reclaiming one queue did (or, in a dry run, would do)."""
+
+    queue: str
+    expired: int
+    reclaimed: int = 0
+    dead_lettered: int = 0
+    dry_run: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def reclaim(app, queues: list[str] | None = None, *, dry_run: bool = False) -> list[ReclaimReport]:
+    """Return every expired lease of ``queues`` (default: all known) to ready now.
+
+    What the consumers' lease keepers do every few seconds, for when no
+    consumer of a queue is running. Messages past ``max_deliveries`` go to the
+    dead-letter set, as the keepers would send them.
+    """
+    reports = []
+    with fenced_channel(app) as channel:
+        for name in queues or known_queues(app, channel):
+            queue = channel.fenced_queue(name)
+            expired = queue.stats().expired_leases
+            if dry_run:
+                reports.append(ReclaimReport(name, expired, dry_run=True))
+                continue
+            reclaimed, dead = queue.reclaim_all()
+            reports.append(ReclaimReport(name, expired, reclaimed, dead))
+    return reports

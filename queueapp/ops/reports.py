@@ -1,0 +1,336 @@
+"""What is stuck and what was duplicated: the database's view joined with the broker's.
+
+The database knows keys (running past their lease deadline, queued past their
+ETA); Redis knows messages (expired leases nobody reclaimed, delayed messages
+nobody promoted, dead letters with their reasons). Each broker message is
+matched to its outcome row by the idempotency key its task's key function
+gives (or its task id), so ops see one story per key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from queueapp import conf
+from queueapp.broker import MessageInfo, MessageState, describe_payload, fenced_channel, locate
+from queueapp.decorators import policy_of
+from queueapp.errors import BrokerUnavailable, IdempotencyKeyError
+from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
+from queueapp.ops.queues import known_queues
+
+Status = TaskOutcome.Status
+Verdict = TaskDelivery.Verdict
+
+#: The dedup key the exactly-once layer puts on a publish (see ``queueapp.signals``).
+DEDUP_KEY_PREFIX = "exactly-once:"
+
+
+def _db() -> str:
+    return conf.get("DATABASE")
+
+
+def stuck_after() -> timedelta:
+    return timedelta(seconds=float(conf.get("STUCK_AFTER")))
+
+
+def stuck_filter(now: datetime | None = None) -> Q:
+    """Outcome rows stuck by the database's own record (the changelist's *stuck* filter).
+
+    Running more than ``STUCK_AFTER`` past the first lease's deadline, or
+    queued more than ``STUCK_AFTER`` past the ETA. The broker may still say a
+    live worker extends the lease (a long task): the stuck page shows that.
+    """
+    cutoff = (now or timezone.now()) - stuck_after()
+    return Q(status=Status.RUNNING, lease_deadline__lt=cutoff) | Q(status=Status.QUEUED, eta__lt=cutoff)
+
+
+def duplicated_filter() -> Q:
+    """Outcome rows with a suppressed duplicate or a stale-token refusal (the *has duplicates* filter)."""
+    return Q(suppressed_duplicates__gt=0) | Q(stale_refusals__gt=0)
+
+
+def default_queue(app) -> str:
+    return app.conf.task_default_queue or "celery"
+
+
+def queue_of(outcome: TaskOutcome, app) -> str:
+    """The queue an outcome's message lives in (its latest delivery's, else Celery's default)."""
+    return outcome.queue or default_queue(app)
+
+
+def message_id_of(outcome: TaskOutcome) -> str:
+    """The broker message id of an outcome's latest delivery, or of its first publish if never delivered."""
+    if outcome.message_id:
+        return outcome.message_id
+    return f"{outcome.task_id}.0" if outcome.task_id else ""
+
+
+def broker_states(app, outcomes: Iterable[TaskOutcome], channel) -> dict[int, MessageState]:
+    """Where the broker holds each outcome's message (one round trip per queue)."""
+    by_queue: dict[str, list[TaskOutcome]] = {}
+    for outcome in outcomes:
+        if message_id_of(outcome):
+            by_queue.setdefault(queue_of(outcome, app), []).append(outcome)
+    states: dict[int, MessageState] = {}
+    for name, group in by_queue.items():
+        found = locate(channel.fenced_queue(name), [message_id_of(o) for o in group])
+        for outcome in group:
+            states[outcome.pk] = found[message_id_of(outcome)]
+    return states
+
+
+@dataclass(frozen=True)
+class BrokerMessage:
+    """A message the broker holds, what its payload says, and the outcome row of its key."""
+
+    state: MessageState
+    info: MessageInfo
+    key: str = ""
+    outcome: TaskOutcome | None = None
+
+    @property
+    def queue(self) -> str:
+        return self.state.queue
+
+    @property
+    def message_id(self) -> str:
+        return self.state.message_id
+
+
+def key_of_message(app, info: MessageInfo) -> str:
+    """The idempotency key of a message's task call, or ``""`` (not an exactly-once task, unreadable)."""
+    task = app.tasks.get(info.task) if info.task else None
+    policy = policy_of(task) if task is not None else None
+    if policy is None or info.args is None or info.kwargs is None:
+        return ""
+    try:
+        return policy.key_for(info.args, info.kwargs, info.task_id)
+    except IdempotencyKeyError:
+        return ""
+
+
+def broker_messages(app, queue, message_ids: list[str]) -> list[BrokerMessage]:
+    """States, decoded payloads and outcome rows of ``message_ids`` in ``queue``, in the given order."""
+    if not message_ids:
+        return []
+    states = locate(queue, message_ids)
+    payloads = queue.client.hmget(queue.keys.bodies, message_ids)
+    infos = [describe_payload(payload) for payload in payloads]
+    keys = [key_of_message(app, info) for info in infos]
+    task_ids = [info.task_id for info in infos if info.task_id]
+    outcomes = TaskOutcome.objects.using(_db()).filter(
+        Q(idempotency_key__in=[k for k in keys if k])
+        | Q(task_id__in=task_ids)
+        | Q(message_id__in=message_ids)
+    )
+    by_key, by_task, by_message = {}, {}, {}
+    for outcome in outcomes:
+        by_key[outcome.idempotency_key] = outcome
+        by_task.setdefault(outcome.task_id, outcome)
+        by_message.setdefault(outcome.message_id, outcome)
+    messages = []
+    for message_id, info, key in zip(message_ids, infos, keys, strict=True):
+        outcome = by_key.get(key) or by_message.get(message_id) or by_task.get(info.task_id)
+        messages.append(
+            BrokerMessage(
+                states[message_id], info, key or (outcome.idempotency_key if outcome else ""), outcome
+            )
+        )
+    return messages
+
+
+def ids_of(values) -> list[str]:
+    """Message ids as ``str`` (redis-py replies are ``bytes``)."""
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
+def _by_score(queue, zset: str, upto_ms: int, limit: int) -> list[str]:
+    """Ids in one of ``queue``'s sorted sets (``leases``, ``delayed``) scored at most ``upto_ms``."""
+    key = getattr(queue.keys, zset)
+    return ids_of(queue.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit))
+
+
+@dataclass(frozen=True)
+class StuckOutcome:
+    """An outcome row the database calls stuck, with where the broker holds its message."""
+
+    outcome: TaskOutcome
+    why: str
+    state: MessageState | None = None
+
+
+@dataclass
+class StuckReport:
+    """Everything the Stuck page shows, section by section."""
+
+    stuck_after: timedelta
+    running_past_lease: list[StuckOutcome] = field(default_factory=list)
+    eta_long_past: list[StuckOutcome] = field(default_factory=list)
+    expired_leases: list[BrokerMessage] = field(default_factory=list)
+    overdue_delayed: list[BrokerMessage] = field(default_factory=list)
+    dead_lettered: list[BrokerMessage] = field(default_factory=list)
+    outbox_pending: list[OutboxMessage] = field(default_factory=list)
+    broker_error: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(
+            len(section)
+            for section in (
+                self.running_past_lease,
+                self.eta_long_past,
+                self.expired_leases,
+                self.overdue_delayed,
+                self.dead_lettered,
+                self.outbox_pending,
+            )
+        )
+
+
+def stuck_report(app, *, limit: int | None = None, now: datetime | None = None) -> StuckReport:
+    """Build the Stuck page: database rows first, then what each queue in Redis holds too long."""
+    limit = limit or int(conf.get("OPS_LIST_LIMIT"))
+    now = now or timezone.now()
+    cutoff = now - stuck_after()
+    report = StuckReport(stuck_after())
+    outcomes = TaskOutcome.objects.using(_db())
+    running = list(
+        outcomes.filter(status=Status.RUNNING, lease_deadline__lt=cutoff).order_by("lease_deadline")[:limit]
+    )
+    overdue = list(outcomes.filter(status=Status.QUEUED, eta__lt=cutoff).order_by("eta")[:limit])
+    report.outbox_pending = list(
+        OutboxMessage.objects.using(_db())
+        .filter(status=OutboxMessage.Status.PENDING, created_at__lt=cutoff)
+        .order_by("created_at")[:limit]
+    )
+    states: dict[int, MessageState] = {}
+    try:
+        with fenced_channel(app) as channel:
+            states = broker_states(app, running + overdue, channel)
+            stuck_ms = int(stuck_after().total_seconds() * 1000)
+            for name in known_queues(app, channel):
+                queue = channel.fenced_queue(name)
+                seconds, micros = queue.client.time()
+                now_ms = int(seconds) * 1000 + int(micros) // 1000
+                report.expired_leases += broker_messages(
+                    app, queue, _by_score(queue, "leases", now_ms, limit)
+                )
+                due_long_ago = _by_score(queue, "delayed", now_ms - stuck_ms, limit)
+                report.overdue_delayed += broker_messages(app, queue, due_long_ago)
+                dead = queue.client.zrange(queue.keys.dead, 0, limit - 1)
+                report.dead_lettered += broker_messages(app, queue, ids_of(dead))
+    except BrokerUnavailable as exc:
+        report.broker_error = str(exc)
+    report.running_past_lease = [
+        StuckOutcome(o, "running past its lease deadline", states.get(o.pk)) for o in running
+    ]
+    report.eta_long_past = [StuckOutcome(o, "queued past its ETA", states.get(o.pk)) for o in overdue]
+    return report
+
+
+@dataclass
+class DuplicateGroup:
+    """Everything that was a duplicate of one key: suppressed, refused, deferred, deduplicated."""
+
+    key: str
+    outcome: TaskOutcome | None = None
+    suppressed: int = 0
+    stale_refusals: int = 0
+    deferrals: int = 0
+    deduplicated_publishes: list[dict] = field(default_factory=list)
+    last_at: datetime | None = None
+
+    @property
+    def total(self) -> int:
+        return self.suppressed + self.stale_refusals + self.deferrals + len(self.deduplicated_publishes)
+
+
+@dataclass
+class DuplicatesReport:
+    """The Duplicates page: groups per key, and each queue's publish counters."""
+
+    groups: list[DuplicateGroup] = field(default_factory=list)
+    publish_counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    broker_error: str = ""
+
+
+def _dedup_entries(queue, limit: int) -> list[dict]:
+    """The queue's recent deduplicated publishes, each with the idempotency key it was dropped for."""
+    prefix = f"{queue.keys.base}:dedup:"
+    entries = []
+    for raw in queue.client.lrange(queue.keys.dedups, 0, limit - 1):
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        dedup_key = str(entry.get("key", ""))
+        dedup_key = dedup_key.removeprefix(prefix)
+        key = dedup_key.removeprefix(DEDUP_KEY_PREFIX)
+        at_ms = int(entry.get("at_ms") or 0)
+        entries.append(
+            {
+                "queue": queue.name,
+                "key": key,
+                "dropped": str(entry.get("id", "")),
+                "kept": str(entry.get("kept") or ""),
+                "at": datetime.fromtimestamp(at_ms / 1000, tz=UTC) if at_ms else None,
+            }
+        )
+    return entries
+
+
+def duplicates_report(app, *, limit: int | None = None) -> DuplicatesReport:
+    """Build the Duplicates page: the database's counters per key, joined with the broker's dedup log."""
+    limit = limit or int(conf.get("OPS_LIST_LIMIT"))
+    report = DuplicatesReport()
+    rows = (
+        TaskOutcome.objects.using(_db())
+        .filter(duplicated_filter() | Q(deferrals__gt=0))
+        .order_by("-updated_at")[:limit]
+    )
+    groups = {
+        o.idempotency_key: DuplicateGroup(
+            o.idempotency_key, o, o.suppressed_duplicates, o.stale_refusals, o.deferrals
+        )
+        for o in rows
+    }
+    last = (
+        TaskDelivery.objects.using(_db())
+        .filter(
+            outcome__in=[g.outcome for g in groups.values()],
+            verdict__in=[Verdict.SUPPRESSED_DUPLICATE, Verdict.REFUSED_STALE, Verdict.DEFERRED],
+        )
+        .values("outcome__idempotency_key")
+        .annotate(last=Max("started_at"))
+    )
+    for entry in last:
+        groups[entry["outcome__idempotency_key"]].last_at = entry["last"]
+    try:
+        with fenced_channel(app) as channel:
+            for name in known_queues(app, channel):
+                queue = channel.fenced_queue(name)
+                counters = queue.stats().counters
+                report.publish_counters[name] = {
+                    "published": counters.get("published", 0),
+                    "duplicate_publishes": counters.get("duplicate_publishes", 0),
+                    "deduplicated_publishes": counters.get("deduplicated_publishes", 0),
+                }
+                for entry in _dedup_entries(queue, limit):
+                    group = groups.setdefault(entry["key"], DuplicateGroup(entry["key"]))
+                    group.deduplicated_publishes.append(entry)
+                    if entry["at"] and (group.last_at is None or entry["at"] > group.last_at):
+                        group.last_at = entry["at"]
+    except BrokerUnavailable as exc:
+        report.broker_error = str(exc)
+    missing = [key for key, group in groups.items() if group.outcome is None]
+    for outcome in TaskOutcome.objects.using(_db()).filter(idempotency_key__in=missing):
+        groups[outcome.idempotency_key].outcome = outcome
+    epoch = datetime.min.replace(tzinfo=UTC)
+    report.groups = sorted(groups.values(), key=lambda g: g.last_at or epoch, reverse=True)[:limit]
+    return report
