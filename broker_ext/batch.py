@@ -39,7 +39,11 @@ class FencedPublishBatch:
         self._buffered += 1
 
     def flush(self) -> None:
-        """Send what is buffered; a refused publish raises after the others were stored."""
+        """Send what is buffered; on any failure everything stays buffered and the error is raised.
+
+        Flushing again then is safe: publishes are idempotent on their message id,
+        so the messages that were stored the first time are reported DUPLICATE.
+        """
         self._check_open()
         if not self._buffered:
             return
@@ -47,16 +51,15 @@ class FencedPublishBatch:
             self.channel.fenced_queue(queue).publish_call(messages)
             for queue, messages in self._messages.items()
         ]
-        commands = self._commands
-        self._messages, self._commands, self._buffered = {}, [], 0
         refusals = [result for result in self.channel.run_calls(calls) if isinstance(result, Exception)]
-        if commands:
-            pipe = self.channel.fenced_client.pipeline(transaction=False)
-            for name, args in commands:
-                getattr(pipe, name)(*args)
-            pipe.execute()
         if refusals:
             raise refusals[0]
+        if self._commands:
+            pipe = self.channel.fenced_client.pipeline(transaction=False)
+            for name, args in self._commands:
+                getattr(pipe, name)(*args)
+            pipe.execute()
+        self.discard()
 
     def discard(self) -> None:
         self._messages, self._commands, self._buffered = {}, [], 0

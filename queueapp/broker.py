@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from broker_ext.queue import Delivery
+from broker_ext.scripts import Reply
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import BrokerUnavailable
 
@@ -39,26 +41,29 @@ class Deferral(enum.Enum):
     UNAVAILABLE = "unavailable"  # not a fenced delivery, or the broker could not be reached
 
 
-def defer(app, delivery: DeliveryInfo, *, token_floor: int, delay: float, counted: bool = False) -> Deferral:
+def defer(
+    app,
+    delivery: DeliveryInfo,
+    *,
+    token_floor: int,
+    delay: float,
+    counted: bool = False,
+    reason: str = "deferred by the exactly-once layer",
+) -> Deferral:
     """Requeue ``delivery`` so that its next delivery has a token of at least ``token_floor``.
 
     ``counted=False`` does not spend one of the message's deliveries (the body
     never ran); ``counted=True`` does, so that a persistent cause (database
-    down) ends in the dead-letter set instead of looping.
+    down) ends in the dead-letter set, under ``reason``, instead of looping.
     """
     if not delivery.fenced or not delivery.queue:
-        return Deferral.UNAVAILABLE
-    try:
-        from broker_ext.queue import Delivery
-        from broker_ext.scripts import Reply
-    except ImportError:  # the fenced transport is not installed
         return Deferral.UNAVAILABLE
     fenced = Delivery(delivery.queue, delivery.message_id, delivery.token, delivery.delivery_count or 1)
     try:
         with fenced_channel(app, max_retries=None) as channel:
             queue = channel.fenced_queue(delivery.queue)
             (reply,) = queue.requeue(
-                [fenced], counted=counted, delay_ms=int(delay * 1000), token_floor=token_floor
+                [fenced], counted=counted, delay_ms=int(delay * 1000), token_floor=token_floor, reason=reason
             )
     except Exception as exc:
         logger.warning("could not give %s back to the broker: %r", delivery.message_id, exc)

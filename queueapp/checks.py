@@ -11,6 +11,8 @@
 ``queueapp.E004``         ``task_acks_late`` is off with ``fenced://``: an early ack loses work
 ``queueapp.W004``         ``task_reject_on_worker_lost`` is off: a killed worker's task is acked
 ``queueapp.W005``         ``QUEUEAPP`` has keys this version does not know (typos)
+``queueapp.W006``         ``worker_consumer`` is Celery's own with ``fenced://``: an undecodable
+                          message is acked away, a reconnect reruns running tasks
 ========================  =====================================================================
 
 The Redis checks connect with a short timeout (:data:`TIMEOUT`) and no
@@ -26,9 +28,11 @@ from urllib.parse import urlsplit
 import redis
 from celery import current_app
 from django.core import checks
+from kombu.utils.imports import symbol_by_name
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from broker_ext.worker import Consumer as FencedConsumer
 from queueapp import conf
 
 #: Seconds the Redis checks wait to connect and for each reply.
@@ -79,8 +83,9 @@ class RedisFacts:
         return tuple(int(part) for part in self.version.split(".") if part.isdigit())
 
 
-def read_facts(url: str, ssl_options: dict | None = None, timeout: float = TIMEOUT) -> RedisFacts:
-    """Ask the Redis at ``url``; raises :class:`redis.RedisError` when it cannot be reached."""
+def read_facts(url: str, ssl_options: dict | None = None, timeout: float | None = None) -> RedisFacts:
+    """Ask the Redis at ``url`` (``timeout`` seconds, default :data:`TIMEOUT`); raises ``RedisError``."""
+    timeout = TIMEOUT if timeout is None else timeout
     options = dict(ssl_options or {}) if scheme_of(url) == "rediss" else {}
     client = redis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), **options
@@ -217,6 +222,17 @@ def check_acknowledgement(app_configs=None, **kwargs) -> list[checks.CheckMessag
                 "task_acks_late is False: a task is acked before it runs, so a worker crash loses it.",
                 hint="Set CELERY_TASK_ACKS_LATE = True: leases and fencing tokens make a redelivery safe.",
                 id="queueapp.E004",
+            )
+        )
+    consumer = app.conf.worker_consumer
+    consumer = consumer if isinstance(consumer, type) else symbol_by_name(consumer)
+    if not issubclass(consumer, FencedConsumer):
+        messages.append(
+            checks.Warning(
+                "worker_consumer is not broker_ext.worker:Consumer: Celery's own consumer acks away a "
+                "message it cannot decode, and gives back running tasks when the connection drops.",
+                hint='Set CELERY_WORKER_CONSUMER = "broker_ext.worker:Consumer" (or a subclass of it).',
+                id="queueapp.W006",
             )
         )
     if not app.conf.task_reject_on_worker_lost:

@@ -182,7 +182,9 @@ def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseE
     delay = min(
         conf.get("DEFER_MAX_DELAY"), conf.get("DEFER_DELAY") * 2 ** ((delivery.delivery_count or 1) - 1)
     )
-    deferral = broker.defer(task.app, delivery, token_floor=floor, delay=delay, counted=True)
+    deferral = broker.defer(
+        task.app, delivery, token_floor=floor, delay=delay, counted=True, reason="database unavailable"
+    )
     if deferral is broker.Deferral.DEFERRED:
         logger.warning("database unavailable for %s [%s]: delivery given back (%r)", task.name, key, exc)
         return None

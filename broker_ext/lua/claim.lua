@@ -4,7 +4,8 @@ claim: take up to N ready messages and lease them, in one atomic step.
 
 Due delayed messages are promoted first (by Redis server time). Each claimed
 message gets a fencing token strictly greater than any it had before:
-max(previous token + 1, server time in microseconds), so tokens keep growing
+max(previous token + 1, server time in microseconds + its place in this claim),
+so tokens keep growing
 across requeues, restarts and failovers (the clock term carries them past a
 counter that lost its last writes). The lease deadline is server time plus
 the lease, never a worker's clock.
@@ -127,7 +128,8 @@ for i, id in ipairs(peeked) do
   elseif not body then
     dead_letter(id, state, 'undeliverable: body missing')
   else
-    local token = string.format('%.0f', math.max(state.token + 1, now_us))
+    -- "+ i - 1": messages claimed together get distinct tokens (two of them may share a key).
+    local token = string.format('%.0f', math.max(state.token + 1, now_us + i - 1))
     local deliveries = state.deliveries + 1
     if no_ack then
       redis.call('HDEL', KEYS[4], id)

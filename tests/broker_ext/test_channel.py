@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from broker_ext.errors import MessageTooLarge, ScriptRefused
+from broker_ext.errors import MessageTooLarge, RedisFull, ScriptRefused
 from broker_ext.messages import delay_ms_of, message_id_of
 from broker_ext.queue import OutgoingMessage
 from broker_ext.transport import Transport
@@ -196,3 +196,19 @@ def test_a_malformed_envelope_is_dead_lettered_and_the_consumer_goes_on(fenced_u
         assert [body for body, _ in got] == [{"n": 1}]
         (letter,) = fenced.dead_letters()
         assert letter.message_id == "broken" and reason in letter.reason
+
+
+def test_a_refused_batch_keeps_its_messages_and_a_second_flush_stores_each_once(full_redis):
+    client = full_redis.client()
+    with Connection(f"fenced://127.0.0.1:{full_redis.port}/0") as conn:
+        channel = conn.default_channel
+        batch = channel.create_publish_batch(max_size=1000)
+        for n in range(60):
+            batch.add_message("retried", OutgoingMessage(f"m{n}", "y" * 100_000))
+        with pytest.raises(RedisFull):
+            batch.flush()  # 6 MB into a 4 MB Redis
+        stored = channel.fenced_queue("retried").stats().ready
+        client.config_set("maxmemory", "64mb")
+        batch.flush()
+        assert channel.fenced_queue("retried").stats().ready == 60
+        assert channel.fenced_queue("retried").stats().counters.get("duplicate_publishes", 0) == stored
