@@ -191,6 +191,7 @@ class FencedQueue:
                 k.claim_request(request_id or uuid.uuid4().hex),
                 k.dead,
                 k.reasons,
+                k.signal,
             ],
             [
                 count,

@@ -22,11 +22,15 @@ goes to the dead-letter set with the reason, for an operator to look at.
 With no_ack = 1 the messages are removed at once (consumers that never ack,
 such as remote-control reply queues).
 
+Consumers block on the signal list, and a publish pushes one wake-up per
+message but keeps at most a few: so while ready messages remain after this
+claim, the claim leaves a wake-up in the list for the next consumer.
+
 Each step reads and checks first, then writes only what passed.
 
 KEYS[1] ready  KEYS[2] delayed  KEYS[3] leases  KEYS[4] bodies  KEYS[5] state
 KEYS[6] seq    KEYS[7] stats    KEYS[8] claim request key (string)
-KEYS[9] dead   KEYS[10] reasons
+KEYS[9] dead   KEYS[10] reasons  KEYS[11] signal (list)
 
 ARGV[1] count (>= 1)   ARGV[2] lease ms   ARGV[3] request ttl ms
 ARGV[4] no_ack (0/1)   ARGV[5] max delayed messages to promote
@@ -53,12 +57,12 @@ end
 
 local count, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
 local request_ttl, no_ack, promote = tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
-if #KEYS ~= 10 or not count or count < 1 or not lease or lease <= 0
+if #KEYS ~= 11 or not count or count < 1 or not lease or lease <= 0
     or not request_ttl or not promote then
-  error({err = 'FENCED BADARG claim needs 10 keys, count >= 1, lease > 0, ttl and promote limit'})
+  error({err = 'FENCED BADARG claim needs 11 keys, count >= 1, lease > 0, ttl and promote limit'})
 end
-local types = {'zset', 'zset', 'zset', 'hash', 'hash', 'string', 'hash', 'string', 'zset', 'hash'}
-for i = 1, 10 do check_type(KEYS[i], types[i]) end
+local types = {'zset', 'zset', 'zset', 'hash', 'hash', 'string', 'hash', 'string', 'zset', 'hash', 'list'}
+for i = 1, 11 do check_type(KEYS[i], types[i]) end
 
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -144,6 +148,9 @@ for i, id in ipairs(peeked) do
     out[#out + 1] = deliveries
     out[#out + 1] = body
   end
+end
+if #peeked > 0 and redis.call('LLEN', KEYS[11]) == 0 and redis.call('ZCARD', KEYS[1]) > 0 then
+  redis.call('LPUSH', KEYS[11], '1')
 end
 if #leased > 0 and request_ttl > 0 then
   redis.call('SET', KEYS[8], table.concat(leased, '\n'), 'PX', request_ttl)

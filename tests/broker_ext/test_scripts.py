@@ -435,3 +435,15 @@ def test_revive_with_the_token_seen_takes_a_message_from_a_lease_and_fences_its_
     assert queue.ack([stuck.delivery]) == [Reply.STALE]
     (again,) = queue.claim()
     assert again.delivery.token > stuck.delivery.token
+
+
+def test_a_claim_that_leaves_messages_ready_leaves_a_wake_up_for_the_next_consumer(queue, redis_client):
+    """Publishes keep at most signal_cap wake-ups; without this a prefetch-1 consumer would stall."""
+    queue.publish([message(str(i)) for i in range(100)])
+    assert redis_client.llen(queue.keys.signal) == 64
+    redis_client.delete(queue.keys.signal)  # every wake-up consumed, 100 messages still ready
+    queue.claim(1)
+    assert redis_client.llen(queue.keys.signal) == 1
+    redis_client.delete(queue.keys.signal)
+    queue.claim(200)  # the queue is empty now: nobody needs waking
+    assert redis_client.llen(queue.keys.signal) == 0
