@@ -18,13 +18,19 @@ class FencedPublishBatch:
         self.max_size = max_size
         self._messages: dict[str, list[OutgoingMessage]] = {}
         self._commands: list[tuple[str, tuple]] = []
+        #: Binding tables read once per exchange for the life of the batch (routing is per message).
+        self.tables: dict[str, list] = {}
         self._buffered = 0
         self._closed = False
 
     def publish(self, message, **kwargs):
         """Route one prepared message; its Redis writes wait for :meth:`flush`."""
         self._check_open()
-        result = self.channel.basic_publish(message, _publish_batch=self, **kwargs)
+        self.channel.routing_batch = self
+        try:
+            result = self.channel.basic_publish(message, _publish_batch=self, **kwargs)
+        finally:
+            self.channel.routing_batch = None
         if self._buffered >= self.max_size:
             self.flush()
         return result

@@ -12,6 +12,7 @@ that claim in the same round trip.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from functools import cached_property
 
 import redis
@@ -102,6 +103,8 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)
         self._queues: dict[str, FencedQueue] = {}
         self._no_ack_queues: set[str] = set()
+        #: The publish batch routing a message right now (its binding tables are read once).
+        self.routing_batch: FencedPublishBatch | None = None
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -109,6 +112,15 @@ class Channel(kombu_redis.Channel):
     def fenced_client(self) -> redis.Redis:
         """One client on the synchronous pool for every script call (thread-safe)."""
         return redis.Redis(connection_pool=self.pool)
+
+    @cached_property
+    def _shared_client(self) -> redis.Redis:
+        """Kombu's own client for its binding tables and fanout, built once (prefixed like Kombu's)."""
+        return self._create_client()
+
+    def conn_or_acquire(self, client=None):
+        """Kombu builds a new client here on every call (tens of microseconds per publish); reuse one."""
+        return nullcontext(client or self._shared_client)
 
     @cached_property
     def scripts(self):
@@ -155,6 +167,15 @@ class Channel(kombu_redis.Channel):
 
     def create_publish_batch(self, max_size: int) -> FencedPublishBatch:
         return FencedPublishBatch(self, max_size)
+
+    def get_table(self, exchange):
+        """An exchange's bindings: read from Redis per publish, but once per exchange within a batch."""
+        batch = self.routing_batch
+        if batch is None:
+            return super().get_table(exchange)
+        if exchange not in batch.tables:
+            batch.tables[exchange] = super().get_table(exchange)
+        return batch.tables[exchange]
 
     # -- publish -------------------------------------------------------------------------
 
