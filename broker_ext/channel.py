@@ -168,6 +168,18 @@ class Channel(kombu_redis.Channel):
     def create_publish_batch(self, max_size: int) -> FencedPublishBatch:
         return FencedPublishBatch(self, max_size)
 
+    def _queue_bind(self, exchange, routing_key, pattern, queue):
+        """Kombu's, except that a full Redis does not stop a worker from starting and draining it."""
+        try:
+            super()._queue_bind(exchange, routing_key, pattern, queue)
+        except redis.exceptions.OutOfMemoryError:
+            logger.warning(
+                "binding %r -> %r not recorded: Redis is full; consuming goes on, and publishes through "
+                "this exchange reach the queue once the binding is written (at the next declare)",
+                exchange,
+                queue,
+            )
+
     def get_table(self, exchange):
         """An exchange's bindings: read from Redis per publish, but once per exchange within a batch."""
         batch = self.routing_batch

@@ -142,13 +142,13 @@ class FencedQoS(virtual.QoS):
         try:
             self.channel.requeue_deliveries(held, counted=False)
         except Exception as exc:
-            # Nothing is lost: the leases expire and the messages are reclaimed.
+            # Nothing is lost: the leases expire and the messages are reclaimed. (Kombu would dump
+            # "unrestored" messages to a file with pickle: there are none to hand it.)
             logger.warning(
                 "could not give back %d deliveries at shutdown (%r); they return when their leases expire",
                 len(held),
                 exc,
             )
-            return [(exc, delivery) for delivery in held]
         return []
 
     def restore_visible(self, *args, **kwargs) -> None:

@@ -15,3 +15,7 @@ class ProxyError(LabError):
 
 class FaultLabError(LabError):
     """Raised when a fault-lab run cannot be set up or is configured wrongly."""
+
+
+class RunInterrupted(FaultLabError):
+    """Raised when a fault-lab run was asked to stop (Ctrl-C) and has cleaned up."""

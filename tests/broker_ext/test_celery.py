@@ -10,7 +10,7 @@ import pytest
 
 from broker_ext.queue import FencedQueue
 from lab.processes import wait_for
-from tests.helpers import runs
+from tests.helpers import reset_connections, runs
 
 pytestmark = pytest.mark.slow
 
@@ -202,6 +202,21 @@ def test_bad_input_is_dead_lettered_with_a_reason_and_the_worker_keeps_running(
     assert reasons["undecodable.0"].startswith("undecodable body")
     assert any(reason.startswith("unknown task") for reason in reasons.values())
     assert queue.stats().ready == 0 and queue.stats().leased == 0
+
+
+def test_a_worker_starts_on_a_full_redis_and_drains_it(celery_app, start_worker, record, full_redis):
+    """Claims and acks are allowed out of memory; binding the queue must not stop the worker either."""
+    from tests.broker_ext.worker_app import record_run
+
+    url = f"fenced://127.0.0.1:{full_redis.port}/0"
+    celery_app.conf.broker_url = url
+    reset_connections(celery_app)
+    for n in range(5):
+        record_run.delay(n)
+    full_redis.client().config_set("maxmemory", "1")
+    worker = start_worker(broker_url=url)
+    assert wait_for(lambda: record.llen("finished") == 5, timeout=30), worker.output(3000)
+    assert worker.alive()
 
 
 def test_a_task_that_replaces_itself_runs_its_replacement(celery_app, start_worker, record):

@@ -212,3 +212,16 @@ def test_a_refused_batch_keeps_its_messages_and_a_second_flush_stores_each_once(
         batch.flush()
         assert channel.fenced_queue("retried").stats().ready == 60
         assert channel.fenced_queue("retried").stats().counters.get("duplicate_publishes", 0) == stored
+
+
+def test_closing_a_channel_while_redis_is_down_hands_nothing_to_kombu_s_emergency_dump(restartable_redis):
+    """Kombu would pickle "unrestored" messages to a file; the leases expire instead, nothing is lost."""
+    conn = Connection(f"fenced://127.0.0.1:{restartable_redis.port}/0")
+    simple = conn.SimpleQueue("held")
+    simple.put({"n": 1})
+    assert simple.get(timeout=2).payload == {"n": 1}
+    restartable_redis.stop()
+    simple.channel.qos.restore_unacked_once()  # no AttributeError, no dump
+    restartable_redis.start()
+    fenced = simple.channel.fenced_queue("held")
+    assert fenced.stats().leased == 1  # still in Redis, reclaimed when its lease ends

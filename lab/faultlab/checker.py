@@ -1,0 +1,218 @@
+"""The invariants, checked on a recorded :class:`~lab.faultlab.history.History`: a pure function.
+
+:func:`check` reads nothing but its argument, so its tests can hand it
+histories with loss, duplication or a broken commit rule and see it catch
+them. It judges each published task by what actually happened:
+
+* **double effect**: more than one committed effect for one task;
+* **lost**: an accepted task with no effect that is neither dead-lettered nor
+  still visible in Redis (ready, leased, delayed) at the end;
+* **dead-lettered**: set aside with a reason (counted, not a violation; a
+  dead letter without a reason is one);
+* **still queued**: every task still visible in Redis at the end, effect or
+  not (one that already has its effect would run again if it is delivered);
+* **malformed** messages must never vanish: dead-lettered with a reason,
+  still visible, or (if the broker has no notion of them) run;
+* **commit rule** (exactly-once tasks): an effect needs a *succeeded* record,
+  a success needs its effect, and a key commits at most once;
+* **half-written** Redis entries (a body with no state, an id in two sets)
+  are violations: every script must write all or nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lab.faultlab.history import History
+
+#: How many affected task ids a verdict lists per category (the counts are always complete).
+EXAMPLES = 10
+
+
+@dataclass
+class Verdict:
+    """The checker's answer for one run: the counts, the affected ids, and every violation."""
+
+    broker: str
+    run: str
+    tasks: int = 0
+    effects: int = 0
+    lost: int = 0
+    double_effects: int = 0
+    extra_effects: int = 0
+    duplicate_deliveries_suppressed: int = 0
+    stale_commits_refused: int = 0
+    deferrals: int = 0
+    dead_lettered: int = 0
+    dead_letter_reasons: dict[str, int] = field(default_factory=dict)
+    still_queued: dict[str, int] = field(default_factory=lambda: {"ready": 0, "leased": 0, "delayed": 0})
+    unconfirmed_publishes: int = 0
+    malformed: dict[str, int] = field(default_factory=dict)
+    half_written: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+    publish_errors: dict[str, int] = field(default_factory=dict)
+    broker_counters: dict[str, int] = field(default_factory=dict)
+    worker_crashes: int = 0
+    settlement: str = "settled"
+    seconds: float = 0.0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every invariant held."""
+        return not self.violations
+
+    def example(self, category: str, task_id: str) -> None:
+        listed = self.examples.setdefault(category, [])
+        if len(listed) < EXAMPLES:
+            listed.append(task_id)
+
+    def as_dict(self) -> dict:
+        return {
+            "broker": self.broker,
+            "run": self.run,
+            "ok": self.ok,
+            "tasks": self.tasks,
+            "effects": self.effects,
+            "lost": self.lost,
+            "double_effects": self.double_effects,
+            "extra_effects": self.extra_effects,
+            "duplicate_deliveries_suppressed": self.duplicate_deliveries_suppressed,
+            "stale_commits_refused": self.stale_commits_refused,
+            "deferrals": self.deferrals,
+            "dead_lettered": self.dead_lettered,
+            "dead_letter_reasons": dict(self.dead_letter_reasons),
+            "still_queued": dict(self.still_queued),
+            "unconfirmed_publishes": self.unconfirmed_publishes,
+            "malformed": dict(self.malformed),
+            "half_written": self.half_written,
+            "faults": dict(self.faults),
+            "publish_errors": dict(self.publish_errors),
+            "broker_counters": dict(self.broker_counters),
+            "worker_crashes": self.worker_crashes,
+            "settlement": self.settlement,
+            "seconds": round(self.seconds, 1),
+            "examples": {name: list(ids) for name, ids in self.examples.items()},
+            "violations": list(self.violations),
+        }
+
+
+def reason_kind(reason: str) -> str:
+    """The kind of a dead-letter reason, for counting: its text up to a colon or parenthesis, numbers as N."""
+    for separator in (":", "("):
+        reason = reason.split(separator, 1)[0]
+    return re.sub(r"\d+", "N", reason).strip() or "no reason given"
+
+
+def check(history: History) -> Verdict:
+    """Judge one run by its history; see the module docstring for the rules."""
+    verdict = Verdict(
+        broker=history.broker,
+        run=history.run,
+        faults=dict(history.faults),
+        publish_errors=dict(history.publish_errors),
+        broker_counters=dict(history.redis.counters),
+        worker_crashes=history.worker_crashes,
+        settlement=history.settlement,
+        seconds=history.seconds,
+    )
+    redis = history.redis
+    labels = {task.label for task in history.published}
+    reasons: Counter[str] = Counter()
+    malformed: Counter[str] = Counter()
+    verdict.effects = sum(history.effects.values())
+
+    for task in history.published:
+        effects = history.effects.get(task.label, 0)
+        reason = redis.dead.get(task.task_id)
+        if task.malformed:
+            malformed["injected"] += 1
+            _judge_malformed(verdict, task.task_id, effects, reason, redis.visible(task.task_id), malformed)
+            if reason is not None:
+                reasons[reason_kind(reason)] += 1
+            continue
+        verdict.tasks += 1
+        for place in ("ready", "leased", "delayed"):
+            if task.task_id in getattr(redis, place):
+                verdict.still_queued[place] += 1
+                verdict.example("still_queued", task.task_id)
+        if effects > 1:
+            verdict.double_effects += 1
+            verdict.extra_effects += effects - 1
+            verdict.example("double_effects", task.task_id)
+        elif effects == 0:
+            if reason is not None:
+                verdict.dead_lettered += 1
+                reasons[reason_kind(reason)] += 1
+                verdict.example("dead_lettered", task.task_id)
+                if not reason.strip():
+                    verdict.violations.append(f"{task.task_id} was dead-lettered without a reason")
+            elif redis.visible(task.task_id):
+                continue
+            elif not task.accepted:
+                verdict.unconfirmed_publishes += 1
+                verdict.example("unconfirmed_publishes", task.task_id)
+            else:
+                verdict.lost += 1
+                verdict.example("lost", task.task_id)
+
+    _check_commit_rule(verdict, history)
+    phantom = sorted(set(history.effects) - labels)
+    for label in phantom:
+        verdict.violations.append(f"effect for {label!r}, which the run never published")
+    verdict.half_written = len(redis.half_written)
+    verdict.violations += [f"half-written in Redis: {entry}" for entry in redis.half_written]
+    if verdict.lost:
+        verdict.violations.append(f"{verdict.lost} task(s) lost: no effect, not dead-lettered, not in Redis")
+    if verdict.double_effects:
+        verdict.violations.append(
+            f"{verdict.double_effects} task(s) with a double effect ({verdict.extra_effects} extra)"
+        )
+    if malformed["gone"]:
+        verdict.violations.append(f"{malformed['gone']} malformed message(s) gone without a reason")
+    verdict.dead_letter_reasons = dict(reasons)
+    verdict.malformed = dict(malformed)
+    return verdict
+
+
+def _judge_malformed(
+    verdict: Verdict, task_id: str, effects: int, reason: str | None, visible: bool, malformed: Counter
+) -> None:
+    if reason is not None:
+        malformed["dead_lettered"] += 1
+    elif visible:
+        malformed["still_queued"] += 1
+    elif effects:
+        malformed["ran"] += 1
+    else:
+        malformed["gone"] += 1
+        verdict.example("malformed_gone", task_id)
+
+
+def _check_commit_rule(verdict: Verdict, history: History) -> None:
+    """Exactly-once tasks: effects, successes and the records must agree."""
+    if not history.outcomes:
+        return
+    for task in history.published:
+        if task.malformed:
+            continue
+        outcome = history.outcomes.get(task.task_id)
+        effects = history.effects.get(task.label, 0)
+        if outcome is None:
+            if effects:
+                verdict.violations.append(f"{task.task_id} has an effect but no idempotency record")
+            continue
+        if outcome.executed > 1:
+            verdict.violations.append(f"{task.task_id} committed {outcome.executed} times")
+            verdict.example("double_commits", task.task_id)
+        if effects and outcome.status != "succeeded":
+            verdict.violations.append(f"{task.task_id} has an effect but its record is {outcome.status!r}")
+        if outcome.status == "succeeded" and not effects:
+            verdict.violations.append(f"{task.task_id} succeeded without its effect")
+    for outcome in history.outcomes.values():
+        verdict.duplicate_deliveries_suppressed += outcome.suppressed_duplicates
+        verdict.stale_commits_refused += outcome.stale_refusals
+        verdict.deferrals += outcome.deferrals

@@ -1,0 +1,172 @@
+"""The fault lab's report: rich tables for people, one JSON document for scripts.
+
+With one broker the JSON is that run's verdict at the top level (``tasks``,
+``effects``, ``lost``, ``double_effects``, ...); with both it holds one such
+object under ``"fenced"`` and one under ``"stock"``. Either way ``config``
+says how the run was made (seed, tasks, workers, lease, faults) so that it can
+be made again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from lab.faultlab.checker import Verdict
+from lab.faultlab.runner import LabResult
+from lab.faultlab.schedule import DESCRIPTIONS, FaultKind
+
+
+def as_json(result: LabResult) -> dict:
+    """The report as one JSON-ready dict (see the module docstring for its shape)."""
+    config = {
+        **asdict(result.config),
+        "kinds": [str(kind) for kind in result.config.kinds],
+        "run_dir": str(result.run_dir),
+        "database": result.database,
+        "topology": result.topology,
+        "schedule": [fault.as_dict() for fault in result.schedule],
+    }
+    runs = {
+        broker: {
+            **verdict.as_dict(),
+            "timings": dict(result.histories[broker].timings),
+            "fault_log": list(result.histories[broker].fault_log),
+        }
+        for broker, verdict in result.verdicts.items()
+    }
+    if len(runs) == 1:
+        return {**next(iter(runs.values())), "config": config}
+    return {**runs, "config": config}
+
+
+def _count(value: int, *, bad: bool = False) -> Text:
+    style = "bold red" if bad and value else ("green" if bad else "")
+    return Text(str(value), style=style)
+
+
+def _mapping(values: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count}" for name, count in sorted(values.items())) or "-"
+
+
+def _absorbed(verdict: Verdict) -> str:
+    if verdict.broker != "fenced":
+        return "-"
+    return str(verdict.broker_counters.get("duplicate_publishes", 0))
+
+
+def _rows(verdict: Verdict) -> list[Text | str]:
+    queued = verdict.still_queued
+    malformed = verdict.malformed
+    return [
+        str(verdict.tasks),
+        str(verdict.effects),
+        _count(verdict.lost, bad=True),
+        _count(verdict.double_effects, bad=True)
+        + Text(f" ({verdict.extra_effects} extra)" if verdict.extra_effects else ""),
+        str(verdict.duplicate_deliveries_suppressed),
+        str(verdict.stale_commits_refused),
+        str(verdict.deferrals),
+        (
+            f"{verdict.dead_lettered} tasks, {malformed.get('dead_lettered', 0)} malformed "
+            f"({_mapping(verdict.dead_letter_reasons)})"
+        ),
+        f"ready {queued['ready']}, leased {queued['leased']}, delayed {queued['delayed']}",
+        str(verdict.unconfirmed_publishes),
+        (
+            f"{malformed.get('injected', 0)}: dead-lettered {malformed.get('dead_lettered', 0)}, "
+            f"ran {malformed.get('ran', 0)}, gone {malformed.get('gone', 0)}"
+        ),
+        _count(verdict.half_written, bad=True),
+        _mapping(verdict.publish_errors),
+        _absorbed(verdict),
+        str(verdict.worker_crashes),
+        str(sum(verdict.faults.values())),
+        f"{verdict.seconds:.0f}",
+        Text("invariants hold", style="bold green") if verdict.ok else Text("VIOLATED", style="bold red"),
+    ]
+
+
+ROW_NAMES = [
+    "tasks published",
+    "effects committed",
+    "lost",
+    "tasks with a double effect",
+    "duplicate deliveries suppressed",
+    "stale commits refused",
+    "deliveries deferred (token below the database's)",
+    "dead-lettered (reasons)",
+    "still in Redis at the end",
+    "publishes never confirmed",
+    "malformed messages",
+    "half-written Redis entries",
+    "publish errors surfaced and retried",
+    "resent publishes absorbed by the broker",
+    "worker crashes (restarted)",
+    "faults injected",
+    "seconds",
+    "verdict",
+]
+
+
+def comparison_table(result: LabResult) -> Table:
+    config = result.config
+    title = (
+        f"Fault lab: {config.tasks} tasks, {config.workers} workers, lease {config.lease:g}s, "
+        f"seed {config.seed}, {result.topology}, {result.database}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("")
+    for broker in result.verdicts:
+        table.add_column(
+            "fenced:// + @exactly_once" if broker == "fenced" else "stock redis://", justify="right"
+        )
+    columns = [_rows(verdict) for verdict in result.verdicts.values()]
+    for index, name in enumerate(ROW_NAMES):
+        table.add_row(name, *(column[index] for column in columns))
+    return table
+
+
+def faults_table(result: LabResult) -> Table:
+    table = Table(title="Faults injected (count per kind)", title_justify="left")
+    table.add_column("fault")
+    table.add_column("what happens")
+    for broker in result.verdicts:
+        table.add_column(broker, justify="right")
+    for kind in FaultKind:
+        if kind not in result.config.kinds:
+            continue
+        counts = [str(verdict.faults.get(str(kind), 0)) for verdict in result.verdicts.values()]
+        table.add_row(str(kind), DESCRIPTIONS[kind], *counts)
+    return table
+
+
+def violations(result: LabResult, limit: int = 8) -> Group:
+    lines = []
+    for broker, verdict in result.verdicts.items():
+        failed = [
+            entry for entry in result.histories[broker].fault_log if entry["detail"].startswith("failed")
+        ]
+        for entry in failed:
+            lines.append(Text(f"{broker}: fault {entry['kind']} {entry['detail']}", style="yellow"))
+        if verdict.settlement != "settled":
+            note = f"{broker}: the work {verdict.settlement} before it settled; see 'still in Redis'"
+            lines.append(Text(note, style="yellow"))
+        for violation in verdict.violations[:limit]:
+            lines.append(Text(f"{broker}: {violation}", style="red" if broker == "fenced" else ""))
+        if len(verdict.violations) > limit:
+            lines.append(Text(f"{broker}: ... and {len(verdict.violations) - limit} more (see --json)"))
+        for category, ids in verdict.examples.items():
+            if category in ("lost", "double_effects", "double_commits", "malformed_gone"):
+                lines.append(Text(f"{broker}: {category}: {', '.join(ids)}", style="dim"))
+    return Group(*lines)
+
+
+def print_report(result: LabResult, console: Console) -> None:
+    console.print(comparison_table(result))
+    console.print(faults_table(result))
+    console.print(violations(result))
+    console.print(f"Files of this run (worker logs, Redis, report.json): {result.run_dir}")

@@ -1,0 +1,214 @@
+"""Where a fault-lab run keeps its Redis: one server, or a Redis Cluster, and the faults each can take.
+
+A :class:`Topology` starts and stops its servers, names the queues the
+workload spreads over, gives the broker URL the workers and the publisher use
+and a direct client for the lab's own observation, and injects the faults
+that happen to Redis itself. :class:`SingleRedis` runs behind the fault proxy;
+:class:`ClusterRedis` (3 masters, 3 replicas) cannot, because cluster clients
+follow MOVED redirects to the addresses the nodes announce, so proxy faults
+are not available there and a killed master takes their place.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import redis
+from redis.cluster import RedisCluster as ClusterClient
+from redis.crc import key_slot
+
+from broker_ext.keys import QueueKeys
+from lab.errors import FaultLabError
+from lab.faultlab.schedule import SINGLE_SERVER_KINDS, FaultKind
+from lab.redis_servers import RedisCluster, RedisServer
+
+
+class Topology(ABC):
+    """The Redis side of one run."""
+
+    #: Shown in the report.
+    name = ""
+    #: Fault kinds this topology can take.
+    kinds: tuple[FaultKind, ...] = ()
+    #: Whether clients can be routed through the fault proxy.
+    proxied = False
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop every server by its PID (idempotent; safe after a failed start)."""
+
+    @abstractmethod
+    def endpoint(self) -> tuple[str, int]:
+        """The address clients connect to (the proxy forwards to it)."""
+
+    @abstractmethod
+    def client(self) -> redis.Redis:
+        """A direct client for observing and injecting (never through the proxy)."""
+
+    @abstractmethod
+    def queues(self, count: int) -> list[str]:
+        """``count`` queue names for the workload (spread over slots where that means something)."""
+
+    def broker_url(self, scheme: str, address: tuple[str, int]) -> str:
+        """The Celery broker URL (``fenced`` or ``redis`` scheme) through ``address``."""
+        host, port = address
+        return f"{scheme}://{host}:{port}/0"
+
+    def transport_options(self) -> dict:
+        """Transport options the broker URL needs on this topology."""
+        return {}
+
+    def worker_env(self) -> dict[str, str]:
+        """What the lab's worker settings need to know about this topology."""
+        return {}
+
+    def pause(self) -> None:
+        raise FaultLabError(f"{self.name} cannot be paused")
+
+    def resume(self) -> None:
+        raise FaultLabError(f"{self.name} cannot be resumed")
+
+    def restart(self) -> None:
+        raise FaultLabError(f"{self.name} cannot be restarted")
+
+    def set_maxmemory(self, full: bool) -> int:
+        raise FaultLabError(f"{self.name} cannot be filled")
+
+    def kill_master(self, generator: random.Random) -> str:
+        raise FaultLabError(f"{self.name} has no master to kill")
+
+
+class SingleRedis(Topology):
+    """One private ``redis-server`` with AOF (``appendfsync always``) and ``noeviction``."""
+
+    name = "single Redis"
+    kinds = SINGLE_SERVER_KINDS
+    proxied = True
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.server = RedisServer(
+            appendonly=True, directory=directory, config={"maxmemory-policy": "noeviction"}
+        )
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def endpoint(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.server.port)
+
+    def client(self) -> redis.Redis:
+        return self.server.client(socket_timeout=10)
+
+    def queues(self, count: int) -> list[str]:
+        return [f"faultlab.q{index}" for index in range(count)]
+
+    def pause(self) -> None:
+        self.server.pause()
+
+    def resume(self) -> None:
+        self.server.resume()
+
+    def restart(self) -> None:
+        self.server.restart()
+
+    def set_maxmemory(self, full: bool) -> int:
+        """At ``full``, maxmemory drops to half of what Redis uses: every write that adds data is refused."""
+        client = self.client()
+        try:
+            limit = int(client.info("memory")["used_memory"]) // 2 if full else 0
+            client.config_set("maxmemory", limit)
+        finally:
+            client.close()
+        return limit
+
+
+class ClusterRedis(Topology):
+    """A local Redis Cluster on loopback: 3 masters with a replica each; a master can be killed."""
+
+    name = "Redis Cluster (3 masters, 3 replicas)"
+    kinds = (
+        FaultKind.KILL,
+        FaultKind.WARM_SHUTDOWN,
+        FaultKind.LONG_TASK,
+        FaultKind.ETA,
+        FaultKind.CLOCK_SKEW,
+        FaultKind.POOL_EXHAUSTED,
+        FaultKind.MALFORMED,
+        FaultKind.MASTER_KILL,
+    )
+
+    def __init__(self) -> None:
+        self.cluster = RedisCluster(masters=3, replicas=1)
+
+    def start(self) -> None:
+        self.cluster.start()
+
+    def stop(self) -> None:
+        self.cluster.cleanup()
+
+    def endpoint(self) -> tuple[str, int]:
+        return self.cluster.startup_nodes()[0]
+
+    def broker_url(self, scheme: str, address: tuple[str, int]) -> str:
+        """Every node as a startup node (Kombu's ``;`` alternates), so a dead one is skipped."""
+        return ";".join(f"{scheme}://{host}:{port}/0" for host, port in self.cluster.startup_nodes())
+
+    def transport_options(self) -> dict:
+        return {"cluster": True}
+
+    def worker_env(self) -> dict[str, str]:
+        return {"LAB_CLUSTER": "1"}
+
+    def client(self) -> ClusterClient:
+        host, port = next(("127.0.0.1", node.port) for node in self.cluster.live_nodes())
+        return ClusterClient(host=host, port=port, socket_timeout=10)
+
+    def masters(self) -> dict[int, tuple[int, int]]:
+        """Port of each live master and the slot range it serves (first one)."""
+        client = self.client()
+        try:
+            slots = client.cluster_slots()
+        finally:
+            client.close()
+        return {int(info["primary"][1]): (int(start), int(end)) for (start, end), info in slots.items()}
+
+    def queues(self, count: int) -> list[str]:
+        """Queue names whose hash slots fall on different masters, round-robin over them."""
+        ranges = sorted(self.masters().values())
+        picked: list[str] = []
+        candidate = 0
+        while len(picked) < count and candidate < 100_000:
+            name = f"faultlab.q{candidate}"
+            slot = key_slot(QueueKeys(name).ready.encode())
+            wanted = ranges[len(picked) % len(ranges)]
+            if wanted[0] <= slot <= wanted[1]:
+                picked.append(name)
+            candidate += 1
+        return picked
+
+    def kill_master(self, generator: random.Random) -> str:
+        """SIGKILL one master and wait (bounded) until its replica has taken over."""
+        ports = sorted(self.masters())
+        port = generator.choice(ports)
+        node = next(node for node in self.cluster.nodes if node.port == port)
+        node.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if len(self.masters()) == len(ports) and port not in self.masters():
+                    self.cluster.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+                    return f"master 127.0.0.1:{port} killed; its replica took over"
+            except redis.exceptions.RedisError:
+                pass
+            time.sleep(0.2)
+        raise FaultLabError(f"no replica took over from master 127.0.0.1:{port} in 30s")

@@ -1,0 +1,230 @@
+"""What the lab publishes: the effect tasks (each until Redis confirms it), malformed messages, a burst.
+
+Every task is ``lab.fenced_effect`` (``@exactly_once``) on fenced:// or
+``lab.stock_effect`` (no decorator) on the stock transport, with a label that
+is its effect's identity and a task id of ``<run>-<label>``. A publish is
+retried with the same task id until Redis confirms it, as an application
+with a retrying client would: every error that surfaced on the way is
+counted by its root cause, none is swallowed. On the stock transport a
+resent publish whose first attempt did arrive is stored twice (S6); on
+fenced:// it is a no-op.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections import Counter
+
+from django.db import connections
+from kombu import Connection
+
+from broker_ext.queue import FencedQueue, OutgoingMessage
+from lab.faultlab.history import PublishedTask
+
+TASK_NAMES = {"fenced": "lab.fenced_effect", "stock": "lab.stock_effect"}
+UNKNOWN_TASK = "lab.no_such_task"
+
+
+def error_name(exc: BaseException) -> str:
+    """The name of the Redis-side cause of ``exc`` (Kombu and Celery wrap it), marking pool exhaustion.
+
+    The chain is followed the way Python prints it (an explicit cause, else an
+    unsuppressed context); the first exception raised by redis-py or the
+    transport names it, else the innermost one does.
+    """
+    chain, current = [], exc
+    while current is not None and len(chain) < 10:
+        chain.append(current)
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:
+            current = None if current.__suppress_context__ else current.__context__
+    root = next(
+        (error for error in chain if type(error).__module__.startswith(("redis.", "broker_ext."))), chain[-1]
+    )
+    name = type(root).__name__
+    exhausted = "Too many connections" in str(root) and name != "MaxConnectionsError"
+    return f"{name} (pool exhausted)" if exhausted else name
+
+
+class Publisher:
+    """Publishes the run's tasks from any thread, each until confirmed or the run gives up."""
+
+    def __init__(self, app, *, broker: str, run: str, stop: threading.Event, give_up_after: float) -> None:
+        self.app = app
+        self.broker = broker
+        self.task_name = TASK_NAMES[broker]
+        self.run = run
+        self.stop = stop
+        self.give_up_at = time.monotonic() + give_up_after
+        self.errors: Counter[str] = Counter()
+        self._published: list[PublishedTask] = []
+        self._lock = threading.Lock()
+
+    def task_id(self, label: str) -> str:
+        return f"{self.run}-{label}"
+
+    def publish(
+        self,
+        label: str,
+        *,
+        queue: str,
+        kind: str = "plain",
+        sleep: float = 0.0,
+        hold: float = 0.0,
+        countdown: float | None = None,
+        connection: Connection | None = None,
+    ) -> PublishedTask:
+        """Publish one task, retrying with the same task id until Redis confirms it (bounded)."""
+        task_id = self.task_id(label)
+        attempts, pause, accepted = 0, 0.05, False
+        while not accepted:
+            attempts += 1
+            try:
+                self.app.send_task(
+                    self.task_name,
+                    args=[self.run, label],
+                    kwargs={"sleep": sleep, "hold": hold},
+                    task_id=task_id,
+                    queue=queue,
+                    countdown=countdown,
+                    connection=connection,
+                    # Through the app's own pool, Celery's publish retry is on, as users have it;
+                    # through a given connection (the pool burst) every error surfaces here.
+                    retry=connection is None,
+                )
+                accepted = True
+            except Exception as exc:
+                self.count_error(exc)
+                if self.stop.is_set() or time.monotonic() > self.give_up_at:
+                    break
+                self.stop.wait(pause)
+                pause = min(1.0, pause * 2)
+        task = PublishedTask(label, task_id, queue, kind, accepted, attempts)
+        self.record(task)
+        return task
+
+    def count_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors[error_name(exc)] += 1
+
+    def record(self, task: PublishedTask) -> None:
+        with self._lock:
+            self._published.append(task)
+
+    def published(self) -> tuple[PublishedTask, ...]:
+        with self._lock:
+            return tuple(self._published)
+
+
+def envelope(
+    app, *, task_name: str, task_id: str, args: list, queue: str, headers: dict | None = None
+) -> str:
+    """A Celery task message exactly as Kombu stores it in Redis (JSON, base64 body)."""
+    message = app.amqp.as_task_v2(task_id, task_name, args, {})
+    body = json.dumps(list(message.body)).encode()
+    return json.dumps(
+        {
+            "body": base64.b64encode(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {**message.headers, **(headers or {})},
+            "properties": {
+                **message.properties,
+                "body_encoding": "base64",
+                "delivery_mode": 2,
+                "priority": 0,
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "delivery_tag": task_id,
+            },
+        }
+    )
+
+
+def inject_malformed(
+    app, client, publisher: Publisher, *, queue: str, index: int, oversize: int
+) -> list[PublishedTask]:
+    """Write a body that is not JSON, an unknown task and an oversized body straight into ``queue``.
+
+    They go to Redis directly, as a buggy or foreign producer would put them
+    there, bypassing the publisher's own checks (fenced:// refuses an
+    oversized publish up front).
+    """
+    tasks = []
+    for kind in ("bad-json", "unknown-task", "oversized"):
+        label = f"{kind}-{index}"
+        task_id = publisher.task_id(label)
+        if kind == "bad-json":
+            payload = json.dumps({"faultlab": task_id})[:-1] + ", this is not JSON"
+        elif kind == "unknown-task":
+            payload = envelope(
+                app, task_name=UNKNOWN_TASK, task_id=task_id, args=[publisher.run, label], queue=queue
+            )
+        else:
+            payload = envelope(
+                app,
+                task_name=publisher.task_name,
+                task_id=task_id,
+                args=[publisher.run, label],
+                queue=queue,
+                headers={"faultlab_padding": "x" * oversize},
+            )
+        if publisher.broker == "fenced":
+            FencedQueue(client, queue).publish([OutgoingMessage(f"{task_id}.0", payload)])
+        else:
+            client.lpush(queue, payload)
+        task = PublishedTask(label, task_id, queue, kind)
+        publisher.record(task)
+        tasks.append(task)
+    return tasks
+
+
+def publish_burst(
+    publisher: Publisher,
+    url: str,
+    *,
+    queues: list[str],
+    prefix: str,
+    threads: int = 8,
+    per_thread: int = 3,
+    max_connections: int = 2,
+    transport_options: dict | None = None,
+    timeout: float = 60.0,
+) -> int:
+    """Publish from ``threads`` threads through one connection whose Redis pool has ``max_connections``.
+
+    Every "Too many connections" error surfaces to the thread, which counts it
+    and publishes again with the same task id. Returns how many tasks went out.
+    """
+    options = {**(transport_options or {}), "max_connections": max_connections, "socket_timeout": 5.0}
+    connection = Connection(url, transport_options=options)
+    # Opened once, before the threads share it; Redis may be paused or restarting right now.
+    connection.ensure_connection(max_retries=20, interval_start=0.5, interval_step=0.5, interval_max=2)
+    connection.default_channel  # noqa: B018
+    sent: list[PublishedTask] = []
+
+    def work(thread: int) -> None:
+        try:
+            for number in range(per_thread):
+                queue = queues[(thread + number) % len(queues)]
+                label = f"{prefix}-{thread}-{number}"
+                sent.append(publisher.publish(label, queue=queue, kind="burst", connection=connection))
+        finally:
+            connections.close_all()
+
+    workers = [
+        threading.Thread(target=work, args=(n,), name=f"faultlab-burst-{n}", daemon=True)
+        for n in range(threads)
+    ]
+    try:
+        for thread in workers:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in workers:
+            thread.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        connection.release()
+    return len(sent)
