@@ -1,0 +1,246 @@
+"""The bench's output: the targets, one rich table per level, and the JSON with every figure.
+
+Targets are ratios within one run (so they hold on a noisy machine). Each is
+printed PASS or FAIL next to its figure; a missing figure (a level not run, a
+failed repeat) is MISSING. None of them fails the command: the table is a
+measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from lab.bench.core import DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
+
+LEVEL_TITLES = {
+    "kombu": "Kombu level (one Python process)",
+    "celery": "Celery level (real worker processes, lab.noop)",
+    "exactly_once": "Exactly-once level (lab.noop_exactly_once, solo worker)",
+    "scaling": "Scaling (depth, reclaim, memory)",
+    "redis": "Redis load (ops counted by INFO commandstats, script-internal commands included)",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A required ratio: ``value(figures)`` must reach ``threshold`` (or stay at most, for costs)."""
+
+    name: str
+    requirement: str
+    threshold: float
+    value: Callable[[dict[str, Measurement]], float | None]
+    at_most: bool = False
+
+    def evaluate(self, figures: dict[str, Measurement]) -> dict:
+        try:
+            measured = self.value(figures)
+        except (KeyError, ZeroDivisionError, TypeError):
+            measured = None
+        if measured is None:
+            status = "MISSING"
+        elif self.at_most:
+            status = "PASS" if measured <= self.threshold else "FAIL"
+        else:
+            status = "PASS" if measured >= self.threshold else "FAIL"
+        return {
+            "name": self.name,
+            "requirement": self.requirement,
+            "threshold": self.threshold,
+            "measured": measured,
+            "status": status,
+        }
+
+
+def _ratio(key: str) -> Callable[[dict[str, Measurement]], float | None]:
+    return lambda figures: figures[key].ratio()
+
+
+def _across(numerator: tuple[str, str], denominator: tuple[str, str]) -> Callable:
+    """``numerator`` figure of one system over ``denominator`` figure of another: (key, system) each."""
+    return lambda figures: (
+        figures[numerator[0]].values[numerator[1]] / figures[denominator[0]].values[denominator[1]]
+    )
+
+
+def _flatness(prefix: str, detail: str) -> Callable[[dict[str, Measurement]], float | None]:
+    """Fenced cost at the deepest queue over the cost at the shallowest (1.0: perfectly flat)."""
+
+    def value(figures: dict[str, Measurement]) -> float | None:
+        depths = sorted(int(key.rsplit(".", 1)[1]) for key in figures if key.startswith(prefix))
+        if len(depths) < 2:
+            return None
+        shallow = figures[f"{prefix}{depths[0]}"].details[FENCED][detail]
+        deep = figures[f"{prefix}{depths[-1]}"].details[FENCED][detail]
+        return deep / shallow
+
+    return value
+
+
+TARGETS = (
+    Target("consume+ack, prefetch 100", "fenced >= 5x stock", 5.0, _ratio("kombu.consume_ack.p100")),
+    Target("consume+ack, prefetch 1", "fenced >= 1.5x stock", 1.5, _ratio("kombu.consume_ack.p1")),
+    Target("publish", "fenced >= 1x stock", 1.0, _ratio("kombu.publish")),
+    Target(
+        "batch publish",
+        "fenced batch >= 5x stock one-by-one publish",
+        5.0,
+        _across(("kombu.batch_publish", FENCED), ("kombu.publish", STOCK)),
+    ),
+    Target("Celery no-op drain, solo", "fenced >= 2x stock", 2.0, _ratio("celery.drain.solo")),
+    Target("Celery no-op drain, prefork 2", "fenced >= 2x stock", 2.0, _ratio("celery.drain.prefork2")),
+    Target(
+        "ahead of Dramatiq, 1 process",
+        "fenced consume+ack p100 / Dramatiq 1x1 >= 1",
+        1.0,
+        _across(("kombu.consume_ack.p100", FENCED), ("kombu.dramatiq_drain.1x1", DRAMATIQ)),
+    ),
+    Target(
+        "ahead of Dramatiq, 2 processes",
+        "fenced 2 consumer processes / Dramatiq 2x4 >= 1",
+        1.0,
+        _across(("redis.aggregate", FENCED), ("kombu.dramatiq_drain.2x4", DRAMATIQ)),
+    ),
+    Target(
+        "claim cost flat",
+        "claim.lua time per call, deepest / 1k queued <= 1.5",
+        1.5,
+        _flatness("scaling.claim_ack.", "claim_lua_us"),
+        at_most=True,
+    ),
+    Target(
+        "ack cost flat",
+        "ack.lua time per call, deepest / 1k queued <= 1.5",
+        1.5,
+        _flatness("scaling.claim_ack.", "ack_lua_us"),
+        at_most=True,
+    ),
+)
+
+
+def evaluate_targets(run: BenchRun) -> list[dict]:
+    figures = {figure.key: figure for figure in run.measurements}
+    return [target.evaluate(figures) for target in TARGETS]
+
+
+def machine() -> dict:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def as_json(run: BenchRun, meta: dict) -> dict:
+    """Every figure, repeat and detail of the run, the targets, and what failed or was skipped."""
+    return {
+        "meta": {**meta, "machine": machine(), "sizes": run.sizes.as_dict()},
+        "measurements": [figure.as_dict() for figure in run.measurements],
+        "targets": evaluate_targets(run),
+        "errors": run.errors,
+        "skipped": run.skipped,
+        "profiles": run.profiles,
+    }
+
+
+def number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit in ("µs/msg",) or value < 100:
+        return f"{value:,.1f}"
+    return f"{value:,.0f}"
+
+
+def level_rows(figures: list[Measurement]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of one level's table (a Dramatiq column only where Dramatiq was measured)."""
+    dramatiq = any(DRAMATIQ in figure.values for figure in figures)
+    header = [
+        "figure",
+        "unit",
+        "stock redis://",
+        "fenced://",
+        *(["Dramatiq"] if dramatiq else []),
+        "fenced / stock",
+    ]
+    rows = []
+    for figure in figures:
+        ratio = figure.ratio()
+        row = [
+            figure.label,
+            figure.unit,
+            number(figure.values.get(STOCK), figure.unit),
+            number(figure.values.get(FENCED), figure.unit),
+        ]
+        if dramatiq:
+            row.append(number(figure.values.get(DRAMATIQ), figure.unit))
+        row.append(f"{ratio:.2f}x" if ratio is not None else "-")
+        rows.append(row)
+    return header, rows
+
+
+def target_rows(targets: list[dict]) -> tuple[list[str], list[list[str]]]:
+    rows = [
+        [
+            target["name"],
+            target["requirement"],
+            f"{target['measured']:.2f}" if target["measured"] is not None else "-",
+            target["status"],
+        ]
+        for target in targets
+    ]
+    return ["target", "requirement", "measured", "status"], rows
+
+
+def by_level(run: BenchRun) -> dict[str, list[Measurement]]:
+    levels: dict[str, list[Measurement]] = {}
+    for figure in run.measurements:
+        if figure.values:
+            levels.setdefault(figure.level, []).append(figure)
+    return levels
+
+
+def rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
+    colours = {"PASS": "green", "FAIL": "red", "MISSING": "yellow"}
+    table = Table(title=title, title_justify="left")
+    for n, column in enumerate(header):
+        table.add_column(column, justify="left" if n < 2 else "right")
+    for row in rows:
+        table.add_row(*(f"[{colours[cell]}]{cell}[/]" if cell in colours else cell for cell in row))
+    return table
+
+
+def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def tables(run: BenchRun) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every table of the run: one per level that ran, then the targets."""
+    result = [
+        (LEVEL_TITLES.get(level, level), *level_rows(figures)) for level, figures in by_level(run).items()
+    ]
+    return [*result, ("Targets (ratios within this run)", *target_rows(evaluate_targets(run)))]
+
+
+def markdown(run: BenchRun) -> str:
+    """The tables as Markdown (for docs/performance.md)."""
+    return "\n\n".join(markdown_table(*table) for table in tables(run)) + "\n"
+
+
+def render(run: BenchRun, console: Console) -> None:
+    """The tables of every level that ran, then the targets, errors and skips."""
+    for table in tables(run):
+        console.print(rich_table(*table))
+    for error in run.errors:
+        console.print(
+            f"[red]error[/red] {error['figure']} ({error['system']}): {error['error'].splitlines()[0][:200]}"
+        )
+    for skipped in run.skipped:
+        console.print(f"[yellow]skipped[/yellow] {skipped['level']} {skipped['what']}: {skipped['why']}")

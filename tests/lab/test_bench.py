@@ -1,0 +1,146 @@
+"""``manage.py bench --quick``: it runs end to end and its JSON holds every figure (never a timed check).
+
+One tiny bench run (``--messages 20``) in a process of its own, as a user
+runs it; the tests then read its JSON. Rates measured at this size are
+noise, so nothing here compares them: the tests prove that each figure was
+measured on each transport (or that its failure is reported), that the
+targets are evaluated, and that the run left no process or database behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lab.bench.report import TARGETS
+from lab.processes import REPO
+
+pytestmark = pytest.mark.slow
+
+BOTH = {"stock", "fenced"}
+#: Every figure of a --quick run and the systems it is measured on.
+EXPECTED = {
+    "kombu.publish": BOTH,
+    "kombu.batch_publish": BOTH,
+    "kombu.consume_ack.p1": BOTH,
+    "kombu.consume_ack.p10": BOTH,
+    "kombu.consume_ack.p100": BOTH,
+    "kombu.dramatiq_drain.1x1": {"dramatiq"},
+    "kombu.dramatiq_drain.2x4": {"dramatiq"},
+    "celery.enqueue": BOTH,
+    "celery.drain.solo": BOTH,
+    "exactly_once.enqueue.sqlite": BOTH,
+    "exactly_once.drain.sqlite": BOTH,
+    "scaling.claim_ack.1000": {"fenced"},
+    "scaling.claim_ack.10000": {"fenced"},
+    "scaling.kombu_get_ack.1000": BOTH,
+    "scaling.kombu_get_ack.10000": BOTH,
+    "scaling.memory.1000": BOTH,
+    "scaling.memory.10000": BOTH,
+    "scaling.reclaim": BOTH,
+    "redis.ceiling.publish": BOTH,
+    "redis.ceiling.claim": BOTH,
+    "redis.ceiling.ack": {"fenced"},
+    "redis.aggregate": BOTH,
+}
+
+
+@pytest.fixture(scope="module")
+def bench_report(tmp_path_factory) -> dict:
+    """The JSON of one ``manage.py bench --quick --json`` run (also written with ``--output``)."""
+    work = tmp_path_factory.mktemp("bench")
+    output = work / "bench.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "manage.py",
+            "bench",
+            "--quick",
+            "--messages",
+            "20",
+            "--json",
+            "--output",
+            str(output),
+        ],
+        cwd=REPO,
+        env={**os.environ, "QUEUEAPP_VAR_DIR": str(work)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    printed = json.loads(result.stdout)
+    assert printed == json.loads(output.read_text())
+    return printed
+
+
+def test_every_figure_is_measured_on_each_of_its_transports_or_its_failure_is_reported(bench_report):
+    """A figure missing a transport must come with an error entry naming it: nothing vanishes silently."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    assert EXPECTED.keys() <= figures.keys()
+    failed = {(error["figure"], error["system"]) for error in bench_report["errors"]}
+    for key, systems in EXPECTED.items():
+        for system in systems:
+            value = figures[key]["values"].get(system)
+            if value is None:
+                assert (key, system) in failed, f"{key} on {system}: neither measured nor reported as failed"
+            else:
+                assert math.isfinite(value) and value >= 0, (key, system, value)
+                assert figures[key]["repeats"][system], (key, system)
+
+
+def test_ratios_are_fenced_over_stock(bench_report):
+    for figure in bench_report["measurements"]:
+        values, ratio = figure["values"], figure["ratio_fenced_over_stock"]
+        if values.get("stock") and values.get("fenced") is not None:
+            assert ratio == pytest.approx(values["fenced"] / values["stock"])
+        else:
+            assert ratio is None
+
+
+def test_every_target_is_evaluated_as_pass_fail_or_missing(bench_report):
+    targets = bench_report["targets"]
+    assert [target["name"] for target in targets] == [target.name for target in TARGETS]
+    for target in targets:
+        assert target["status"] in {"PASS", "FAIL", "MISSING"}
+        assert (target["measured"] is None) == (target["status"] == "MISSING")
+
+
+def test_the_run_records_its_sizes_machine_and_skipped_parts(bench_report):
+    meta = bench_report["meta"]
+    assert meta["quick"] is True
+    assert meta["sizes"]["messages"] == 20
+    assert meta["redis_version"]
+    assert meta["machine"]["cpus"] >= 1
+    assert {(skip["level"], skip["what"]) for skip in bench_report["skipped"]} >= {
+        ("celery", "prefork worker"),
+        ("exactly_once", "postgresql"),
+    }
+
+
+def test_the_redis_load_of_each_run_is_counted_with_the_commands_inside_scripts(bench_report):
+    """commandstats counts a script's inner commands: fenced consume+ack shows more ops than EVALSHAs."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    consume = figures["kombu.consume_ack.p1"]["details"].get("fenced")
+    if consume is None:
+        pytest.skip("fenced consume+ack at prefetch 1 failed in this run (reported in errors)")
+    commands = consume["redis_commands"]
+    assert commands.get("evalsha", 0) > 0
+    assert sum(commands.values()) > commands["evalsha"]
+    assert consume["redis_ops_per_message"] > 1
+
+
+def test_the_run_leaves_no_process_behind(bench_report):
+    """Every redis-server, worker and consumer the bench started is gone, with its children, once it exits."""
+    started = bench_report["meta"]["started_pids"]
+    assert len(started) >= 8  # redis-server, 2 Dramatiq, 4 Celery workers, 4 consumers at the least
+    for pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        # Workers lead sessions of their own: no pool child, fork or thread of theirs may remain.
+        assert subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout == ""
