@@ -47,6 +47,20 @@ class FencedQoS(virtual.QoS):
                 self._held[delivery_tag] = delivery
         super().append(message, delivery_tag)
 
+    def can_consume(self) -> bool:
+        """Claim again only once half the prefetch is free, unless the consumer holds nothing.
+
+        A worker that frees one slot at a time would otherwise pay a claim round
+        trip per task; while it still holds half its prefetch it is not idle.
+        """
+        if not super().can_consume():
+            return False
+        prefetch = self.prefetch_count
+        if not prefetch or prefetch < 4:
+            return True
+        in_flight = len(self._delivered) - len(self._dirty)
+        return in_flight <= prefetch // 2
+
     def held(self) -> list[Delivery]:
         """A snapshot of what this consumer holds (safe from any thread)."""
         with self._lock:
