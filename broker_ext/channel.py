@@ -17,40 +17,25 @@ from functools import cached_property
 
 import redis
 from kombu.transport import redis as kombu_redis
-from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
 
 from broker_ext.batch import FencedPublishBatch
-from broker_ext.errors import FencedError, MessageTooLarge, RedisUnavailable, ScriptRefused
-from broker_ext.keys import queue_of_signal_key
-from broker_ext.lease_keeper import LeaseKeeper
+from broker_ext.consume import Consuming, PendingClaim
+from broker_ext.errors import MessageTooLarge
 from broker_ext.messages import (
     DEDUP_KEY_HEADER,
     DEDUP_WINDOW_HEADER,
     delay_ms_of,
-    delivery_of,
-    envelope_problem,
     message_id_of,
-    stamp,
 )
 from broker_ext.qos import FencedQoS
-from broker_ext.queue import Claimed, Delivery, FencedQueue, OutgoingMessage, QueueOptions
-from broker_ext.scripts import Reply, ScriptCall, is_transient, register, run_calls
+from broker_ext.queue import FencedQueue, OutgoingMessage, QueueOptions
+from broker_ext.scripts import Reply, ScriptCall, register, run_calls
 
 logger = logging.getLogger(__name__)
 
-Empty = kombu_redis.Empty
 
-
-def by_queue(deliveries: list[Delivery]) -> dict[str, list[Delivery]]:
-    """Deliveries grouped by queue, in first-seen order."""
-    groups: dict[str, list[Delivery]] = {}
-    for delivery in deliveries:
-        groups.setdefault(delivery.queue, []).append(delivery)
-    return groups
-
-
-class Channel(kombu_redis.Channel):
+class Channel(Consuming, kombu_redis.Channel):
     """A Redis channel whose queues are fenced: claim, lease, ack by token."""
 
     QoS = FencedQoS
@@ -100,6 +85,8 @@ class Channel(kombu_redis.Channel):
     )
 
     def __init__(self, *args, **kwargs) -> None:
+        self._more_ready: str | None = None
+        self._polled_claim: PendingClaim | None = None
         super().__init__(*args, **kwargs)
         self._queues: dict[str, FencedQueue] = {}
         self._no_ack_queues: set[str] = set()
@@ -220,200 +207,6 @@ class Channel(kombu_redis.Channel):
         reply = self.fenced_queue(queue).publish([outgoing])[0]
         if reply is not Reply.OK:
             logger.info("publish of %s to %r was a no-op: %s", outgoing.message_id, queue, reply.name)
-
-    # -- consume -------------------------------------------------------------------------
-
-    def basic_consume(self, queue, no_ack, *args, **kwargs):
-        if no_ack:
-            self._no_ack_queues.add(queue)
-        else:
-            self._no_ack_queues.discard(queue)
-        result = super().basic_consume(queue, no_ack, *args, **kwargs)
-        self.keeper.start_once()
-        return result
-
-    @cached_property
-    def keeper(self) -> LeaseKeeper:
-        return LeaseKeeper(self)
-
-    def _credit(self) -> int:
-        estimate = self.qos.can_consume_max_estimate()
-        return int(self.claim_batch) if estimate is None else estimate
-
-    def claim(self, queue: str, count: int, *, no_ack: bool | None = None) -> list[dict]:
-        """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
-
-        Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
-        """
-        if no_ack is None:
-            no_ack = queue in self._no_ack_queues
-        acks = self.qos.take_acks()
-        ack_groups = by_queue(acks)
-        claim_call = self.fenced_queue(queue).claim_call(count, no_ack=no_ack)
-        try:
-            *ack_replies, claimed = self.run_calls([*self._ack_calls(ack_groups), claim_call])
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            self.qos.buffer_acks(acks)  # Resending them is safe: a resent ack is ALREADY_ACKED.
-            raise
-        self._log_ack_replies(ack_groups, ack_replies)
-        if isinstance(claimed, ScriptRefused):
-            logger.error("claim on %r refused; the queue's keys need an operator: %s", queue, claimed)
-            return []
-        if isinstance(claimed, Exception):
-            raise claimed
-        return [payload for payload in map(self._payload_of, claimed) if payload is not None]
-
-    def _payload_of(self, claimed: Claimed) -> dict | None:
-        """Decode a claimed body and stamp the delivery on it; dead-letter what cannot be delivered."""
-        delivery = claimed.delivery
-        if len(claimed.payload) > self.max_message_size:
-            self._dead_letter(delivery, f"oversized body: {len(claimed.payload)} bytes")
-            return None
-        try:
-            payload = loads(bytes_to_str(claimed.payload))
-        except (TypeError, ValueError) as exc:
-            self._dead_letter(delivery, f"malformed body: not JSON: {exc}")
-            return None
-        problem = envelope_problem(payload)
-        if problem is not None:
-            self._dead_letter(delivery, f"malformed body: {problem}")
-            return None
-        stamp(payload["properties"], delivery)
-        return payload
-
-    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
-        logger.error("dead-lettering %s of %r: %s", delivery.message_id, delivery.queue, reason)
-        if delivery.queue not in self._no_ack_queues:
-            self.fenced_queue(delivery.queue).dead_letter([delivery], reason)
-
-    def _deliver_claimed(self, queue: str, payloads: list[dict]) -> int:
-        """Hand claimed messages to the consumer; one it cannot take is dead-lettered, not fatal."""
-        delivered = 0
-        for payload in payloads:
-            try:
-                self.connection._deliver(payload, queue)
-            except (FencedError, *self.connection_errors):
-                raise
-            except Exception as exc:
-                if queue in self._no_ack_queues:
-                    raise
-                properties = payload["properties"]
-                logger.exception("consumer of %r could not take %s", queue, properties["fenced_message_id"])
-                self.qos.discard(properties["delivery_tag"])
-                self._dead_letter(delivery_of(properties), f"undeliverable: {exc!r}")
-                continue
-            delivered += 1
-        return delivered
-
-    def claim_and_deliver(self, queues: list[str]) -> int:
-        """Claim from ``queues`` in order while there is credit; returns how many were delivered."""
-        delivered = 0
-        for queue in queues:
-            credit = self._credit()
-            if credit <= 0:
-                break
-            delivered += self._deliver_claimed(queue, self.claim(queue, credit))
-        return delivered
-
-    def _get(self, queue):
-        payloads = self.claim(queue, 1)
-        if not payloads:
-            raise Empty()
-        return payloads[0]
-
-    def basic_get(self, queue, no_ack=False, **kwargs):
-        """Kombu's basic_get, except that a ``no_ack`` get removes the message at once."""
-        payloads = self.claim(queue, 1, no_ack=no_ack)
-        if not payloads:
-            return None
-        message = self.Message(payloads[0], channel=self)
-        if not no_ack:
-            self.qos.append(message, message.delivery_tag)
-        return message
-
-    def brpop_keys(self, queues: list[str]) -> list[str]:
-        """The signal keys one BRPOP waits on for ``queues``."""
-        return [self.fenced_queue(queue).keys.signal for queue in queues]
-
-    def _brpop_start(self, timeout=None):
-        if timeout is None:
-            timeout = self.brpop_timeout
-        queues = self._queue_cycle.consume(len(self.active_queues))
-        if not queues:
-            return
-        self._in_poll = self.client.connection
-        self._brpop_sent_at = kombu_redis.monotonic()
-        self.client.connection.send_command("BRPOP", *self.brpop_keys(queues), timeout or 0)
-
-    def _brpop_read(self, **options):
-        try:
-            try:
-                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
-            except self.connection_errors:
-                self.client.connection.disconnect()
-                raise
-            except redis.exceptions.ResponseError as exc:
-                if not is_transient(exc):  # e.g. a failover turned this Redis into a replica
-                    raise
-                self.client.connection.disconnect()
-                raise RedisUnavailable(f"BRPOP: {exc}") from None
-            if self._closing:
-                raise Empty()
-            queues = self.active_queues
-            if reply:
-                woken = queue_of_signal_key(bytes_to_str(reply[0]), self.global_keyprefix)
-                self._queue_cycle.rotate(woken)
-                if woken in queues and self.claim_and_deliver([woken]):
-                    return True
-            if self.claim_and_deliver(queues):
-                return True
-            raise Empty()
-        finally:
-            self._in_poll = None
-            self._flush_brpop_reauth()
-
-    # -- ack path (called by FencedQoS) ------------------------------------------------------
-
-    def _ack_calls(self, groups: dict[str, list[Delivery]]) -> list[ScriptCall]:
-        return [self.fenced_queue(queue).ack_call(group) for queue, group in groups.items()]
-
-    def _log_ack_replies(self, groups: dict[str, list[Delivery]], results: list) -> None:
-        for (queue, group), replies in zip(groups.items(), results, strict=True):
-            if isinstance(replies, Exception):
-                # The messages stay leased; they are reclaimed and delivered again after the lease.
-                logger.error("acks of %d messages on %r failed: %r", len(group), queue, replies)
-                continue
-            for delivery, reply in zip(group, replies, strict=True):
-                if reply is Reply.STALE:
-                    logger.warning(
-                        "ack of %s on %r refused: a newer delivery exists", delivery.message_id, queue
-                    )
-
-    def flush_acks(self) -> None:
-        """Send every buffered ack now (from any thread); on a lost connection they stay buffered."""
-        acks = self.qos.take_acks()
-        if not acks:
-            return
-        groups = by_queue(acks)
-        try:
-            results = self.run_calls(self._ack_calls(groups))
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            self.qos.buffer_acks(acks)
-            raise
-        self._log_ack_replies(groups, results)
-
-    def requeue_deliveries(self, deliveries: list[Delivery], *, counted: bool) -> None:
-        for queue, group in by_queue(deliveries).items():
-            self.fenced_queue(queue).requeue(group, counted=counted)
-
-    def dead_letter_deliveries(self, deliveries: list[Delivery], reason: str) -> None:
-        for queue, group in by_queue(deliveries).items():
-            self.fenced_queue(queue).dead_letter(group, reason)
-
-    def _restore(self, message, leftmost=False):
-        delivery = delivery_of(message.properties)
-        if delivery is not None:  # a fanout message has no lease to give back
-            self.requeue_deliveries([delivery], counted=False)
 
     # -- queue management ----------------------------------------------------------------
 

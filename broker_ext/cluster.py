@@ -32,7 +32,8 @@ import redis
 from kombu.utils.url import parse_url
 from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
 
-from broker_ext.channel import Channel, Empty
+from broker_ext.channel import Channel
+from broker_ext.consume import Empty
 from broker_ext.errors import ClusterConfigurationError
 
 #: Connection settings of Kombu's that are not passed on to the cluster client.

@@ -115,6 +115,11 @@ class ScriptCall:
     decode: Callable[[Any], Any]
 
 
+def command_of(call: ScriptCall) -> tuple:
+    """The raw ``EVALSHA`` command of a call, for a pipeline or a connection of its own."""
+    return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+
+
 def translate(exc: Exception, queue: str) -> Exception:
     """The exception of this package that a Redis error on ``queue`` stands for (or ``exc`` itself)."""
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
@@ -149,7 +154,7 @@ def run_calls(client, calls: Sequence[ScriptCall], *, pipelined: bool = True) ->
         return [_result_of(client, call) for call in calls]
     pipe = client.pipeline(transaction=False)
     for call in calls:
-        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+        pipe.execute_command(*command_of(call))
     try:
         replies = pipe.execute(raise_on_error=False)
     except redis.exceptions.RedisError as exc:

@@ -225,3 +225,25 @@ def test_closing_a_channel_while_redis_is_down_hands_nothing_to_kombu_s_emergenc
     restartable_redis.start()
     fenced = simple.channel.fenced_queue("held")
     assert fenced.stats().leased == 1  # still in Redis, reclaimed when its lease ends
+
+
+def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(fenced_url, redis_client):
+    """While claims come back full the poll command is the claim itself; NOSCRIPT there loses nothing."""
+    queue = Queue("busy", Exchange("busy"), routing_key="busy")
+    with Connection(fenced_url) as conn:
+        producer = Producer(conn.channel())
+        for n in range(300):
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key="busy", declare=[queue])
+        redis_client.delete(conn.default_channel.fenced_queue("busy").keys.signal)  # no wake-ups at all
+        redis_client.config_resetstat()
+        got: list = []
+        with consume(conn, queue, got, prefetch=1) as consumer:
+            assert drain_until(conn, lambda: len(got) >= 100, seconds=10)
+            redis_client.script_flush()
+            assert drain_until(conn, lambda: len(got) >= 300, seconds=10)
+            consumer.channel.flush_acks()
+            stats = consumer.channel.fenced_queue("busy").stats()
+        assert sorted(body["n"] for body, _ in got) == list(range(300))
+        assert (stats.ready, stats.leased) == (0, 0)
+        brpops = redis_client.info("commandstats").get("cmdstat_brpop", {}).get("calls", 0)
+        assert brpops < 20, f"{brpops} BRPOPs for 300 messages: the consumer did not claim as it polled"
