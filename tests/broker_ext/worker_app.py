@@ -16,7 +16,11 @@ from celery import Celery
 
 import broker_ext  # noqa: F401  (registers fenced://)
 
-app = Celery("fenced_tests", broker=os.environ.get("TEST_BROKER_URL", "fenced://127.0.0.1:6379/15"))
+app = Celery(
+    "fenced_tests",
+    broker=os.environ.get("TEST_BROKER_URL", "fenced://127.0.0.1:6379/15"),
+    set_as_current=False,  # The project's app stays current for the other tests.
+)
 app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
