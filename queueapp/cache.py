@@ -1,6 +1,8 @@
-"""The already-succeeded fast path: a cache hit suppresses a duplicate without touching the row lock.
+"""What queueapp keeps in Django's cache (django-redis): successes, and the admin's queue snapshots.
 
-Only successes are cached, and only after their transaction committed
+The already-succeeded fast path: a cache hit suppresses a duplicate without
+touching the row lock. Only successes are cached, and only after their
+transaction committed
 (``transaction.on_commit``), so the cache never claims a success the
 database does not have. A miss, a flushed cache or an unreachable Redis
 falls through to the database, which alone decides: the cache changes
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from django.core.cache import caches
 
+from broker_ext.queue import QueueStats
 from queueapp import conf
 
 logger = logging.getLogger(__name__)
@@ -75,3 +79,31 @@ def forget(idempotency_key: str) -> None:
             cache.delete(cache_key(idempotency_key))
     except Exception as exc:
         logger.warning("exactly-once cache unreachable, could not forget %r: %r", idempotency_key, exc)
+
+
+def queue_stats(broker_url: str, fetch: Callable[[], list[QueueStats]]) -> list[QueueStats]:
+    """The admin's queue snapshots, shared between page loads for ``QUEUE_STATS_CACHE_TIMEOUT`` seconds.
+
+    A snapshot is one script call per queue; several operators reloading the
+    Queues page would repeat them all. A cold, flushed or unreachable cache
+    reads Redis, as with no cache; ``0`` turns this off.
+    """
+    timeout = conf.get("QUEUE_STATS_CACHE_TIMEOUT")
+    key = "exactly-once:queue-stats:" + hashlib.sha256(broker_url.encode()).hexdigest()[:24]
+    cache = None
+    if timeout:
+        try:
+            cache = _cache()
+            cached = cache.get(key) if cache is not None else None
+        except Exception as exc:
+            logger.warning("queue-stats cache unreachable, reading Redis: %r", exc)
+            cache, cached = None, None
+        if isinstance(cached, list):
+            return [QueueStats(**entry) for entry in cached]
+    stats = fetch()
+    if cache is not None:
+        try:
+            cache.set(key, [entry.as_dict() for entry in stats], timeout=timeout)
+        except Exception as exc:
+            logger.warning("queue-stats cache unreachable, snapshot not kept: %r", exc)
+    return stats

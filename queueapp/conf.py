@@ -44,6 +44,9 @@ Every value is looked up when it is used, never at import time, so tests
     Seconds past its due time before the admin and ``requeue --status stuck``
     call something stuck: a running key past its lease deadline, a queued key
     past its ETA, an outbox row still pending, a delayed message still waiting.
+``QUEUE_STATS_CACHE_TIMEOUT`` (``2.0``)
+    Seconds the admin's Queues page shares one snapshot of the queues between
+    page loads (Django's cache); ``0`` reads Redis on every load.
 ``OPS_LIST_LIMIT`` (``200``)
     Most rows each section of the admin's stuck and duplicates pages shows.
 ``QUEUE_SCAN_LIMIT`` (``10000``)
@@ -77,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_PUBLISH_TIMEOUT": 5.0,
     "STUCK_AFTER": 300.0,
     "OPS_LIST_LIMIT": 200,
+    "QUEUE_STATS_CACHE_TIMEOUT": 2.0,
     "QUEUE_SCAN_LIMIT": 10000,
 }
 

@@ -16,6 +16,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.translation import gettext as _
 
+from queueapp import cache
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.errors import BrokerUnavailable
 from queueapp.ops import actions, queues, reports
@@ -102,7 +103,8 @@ class OpsPagesMixin:
             raise PermissionDenied
         stats, error = [], ""
         try:
-            stats = queues.queue_stats(self.celery_app())
+            app = self.celery_app()
+            stats = cache.queue_stats(str(app.conf.broker_url), lambda: queues.queue_stats(app))
         except BrokerUnavailable as exc:
             error = str(exc)
         return self._page(request, "queues.html", _("Queues"), stats=stats, broker_error=error)

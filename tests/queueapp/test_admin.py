@@ -204,3 +204,32 @@ def test_staff_with_the_view_permission_sees_the_pages_but_no_requeue_button(cli
     response = client.get(page_url(page))
     assert response.status_code == 200
     assert "Requeue selected dead-lettered messages" not in response.content.decode()
+
+
+def test_the_queues_page_shares_one_snapshot_for_a_few_seconds_then_reads_redis_again(
+    admin_client, queue, settings
+):
+    settings.QUEUEAPP = {"QUEUE_STATS_CACHE_TIMEOUT": 30}
+    queue.publish([OutgoingMessage("a", b"{}")])
+    assert _ready(admin_client) == 1
+    queue.publish([OutgoingMessage("b", b"{}")])
+    assert _ready(admin_client) == 1  # the shared snapshot
+    settings.QUEUEAPP = {"QUEUE_STATS_CACHE_TIMEOUT": 0}
+    assert _ready(admin_client) == 2
+
+
+def test_the_queues_page_reads_redis_when_the_cache_is_unreachable(admin_client, queue, settings):
+    settings.CACHES = {
+        "default": {
+            **settings.CACHES["default"],
+            "LOCATION": f"redis://127.0.0.1:{free_port()}/0",
+            "OPTIONS": {**settings.CACHES["default"]["OPTIONS"], "IGNORE_EXCEPTIONS": False},
+        }
+    }
+    queue.publish([OutgoingMessage("a", b"{}")])
+    assert _ready(admin_client) == 1
+
+
+def _ready(client) -> int:
+    stats = {entry.queue: entry for entry in client.get(page_url("queues")).context["stats"]}
+    return stats["celery"].ready
