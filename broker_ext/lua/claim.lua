@@ -61,8 +61,6 @@ if #KEYS ~= 11 or not count or count < 1 or not lease or lease <= 0
     or not request_ttl or not promote then
   error({err = 'FENCED BADARG claim needs 11 keys, count >= 1, lease > 0, ttl and promote limit'})
 end
-local types = {'zset', 'zset', 'zset', 'hash', 'hash', 'string', 'hash', 'string', 'zset', 'hash', 'list'}
-for i = 1, 11 do check_type(KEYS[i], types[i]) end
 
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -90,6 +88,10 @@ local due = {}
 if promote > 0 then
   due = redis.call('ZRANGE', KEYS[2], '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, promote)
 end
+-- An idle queue (what every consumer polls for, once a second) costs these reads and nothing more.
+if #due == 0 and redis.call('ZCARD', KEYS[1]) == 0 then return out end
+local types = {'zset', 'zset', 'zset', 'hash', 'hash', 'string', 'hash', 'string', 'zset', 'hash', 'list'}
+for i = 1, 11 do check_type(KEYS[i], types[i]) end
 local due_states = {}
 for i, id in ipairs(due) do due_states[i] = parse_state(redis.call('HGET', KEYS[5], id)) end
 

@@ -38,12 +38,13 @@ local max_deliveries, limit, signal_cap = tonumber(ARGV[1]), tonumber(ARGV[2]), 
 if #KEYS ~= 8 or not max_deliveries or not limit or limit < 1 or not signal_cap then
   error({err = 'FENCED BADARG reclaim needs 8 keys, max deliveries, limit >= 1, signal cap'})
 end
-local types = {'zset', 'hash', 'zset', 'string', 'list', 'hash', 'zset', 'hash'}
-for i = 1, 8 do check_type(KEYS[i], types[i]) end
 
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local expired = redis.call('ZRANGE', KEYS[1], '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
+if #expired == 0 then return {0, 0} end  -- the usual case: nothing written, nothing to check
+local types = {'zset', 'hash', 'zset', 'string', 'list', 'hash', 'zset', 'hash'}
+for i = 1, 8 do check_type(KEYS[i], types[i]) end
 local raw_states = {}
 for i, id in ipairs(expired) do raw_states[i] = redis.call('HGET', KEYS[2], id) end
 

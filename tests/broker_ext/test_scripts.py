@@ -263,7 +263,7 @@ def test_stats_report_depths_and_oldest_ready_age(queue):
         ("leases", lambda q: q.extend([Delivery("jobs", "a", 1)])),
         ("dead", lambda q: q.requeue([Delivery("jobs", "a", 1)])),
         ("reasons", lambda q: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
-        ("seq", lambda q: q.reclaim()),
+        ("seq", lambda q: q.claim(1)),
         ("signal", lambda q: q.revive(["a"])),
         ("bodies", lambda q: q.purge()),
     ],
@@ -447,3 +447,17 @@ def test_a_claim_that_leaves_messages_ready_leaves_a_wake_up_for_the_next_consum
     redis_client.delete(queue.keys.signal)
     queue.claim(200)  # the queue is empty now: nobody needs waking
     assert redis_client.llen(queue.keys.signal) == 0
+
+
+def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_nothing(queue, redis_client):
+    """Reclaim runs every few seconds on every consumer: when nothing expired it only reads."""
+    queue.publish([message("a")])
+    queue.claim()
+    redis_client.delete(queue.keys.seq)
+    redis_client.hset(queue.keys.seq, "not", "a string")
+    before = snapshot(redis_client)
+    assert queue.reclaim() == (0, 0)  # the lease has not expired: nothing to write, nothing checked
+    time.sleep(0.35)
+    with pytest.raises(ScriptRefused, match="WRONGTYPE"):
+        queue.reclaim()
+    assert snapshot(redis_client) == before
