@@ -7,13 +7,14 @@ between 10% and 90% of the backlog acked, read from Redis.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 
 from lab.bench.core import DRAMATIQ, BenchRun, watch_drain
-from lab.bench.subprocesses import BenchProcess
+from lab.processes import ManagedProcess
 
 LEVEL = "kombu"
 QUEUE = "bench"
@@ -46,9 +47,17 @@ def drain_once(run: BenchRun, processes: int, threads: int, messages: int) -> tu
     url = run.url(DRAMATIQ, db)
     try:
         enqueue_rate = enqueue(url, messages)
-        worker = BenchProcess(
-            "dramatiq",
-            ["lab.bench.dramatiq_app", "--processes", str(processes), "--threads", str(threads)],
+        worker = ManagedProcess(
+            [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "lab.bench.dramatiq_app",
+                "--processes",
+                str(processes),
+                "--threads",
+                str(threads),
+            ],
             env={
                 "BENCH_DRAMATIQ_URL": url,
                 "BENCH_DRAMATIQ_QUEUE": QUEUE,

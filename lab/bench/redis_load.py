@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 from broker_ext.queue import FencedQueue, OutgoingMessage
@@ -23,7 +24,7 @@ from broker_ext.scripts import SCRIPT_NAMES, ScriptCall, source
 from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, watch_drain
 from lab.bench.kombu_level import fill, kombu_queue, producer_for
 from lab.bench.scaling import fill_fenced, stored_payload
-from lab.bench.subprocesses import BenchProcess
+from lab.processes import ManagedProcess
 
 LEVEL = "redis"
 QUEUE = "bench.ceiling"
@@ -170,7 +171,7 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
     db = run.fresh_db()
     url = run.url(system, db)
     queue = kombu_queue(f"{QUEUE}.aggregate")
-    consumers: list[BenchProcess] = []
+    consumers: list[ManagedProcess] = []
     try:
         from kombu import Connection
 
@@ -178,9 +179,8 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
             fill(producer_for(connection, queue), messages)
         for n in range(CONSUMERS):
             consumers.append(
-                BenchProcess(
-                    "lab.bench.consumer",
-                    [url, queue.name, str(AGGREGATE_PREFETCH)],
+                ManagedProcess(
+                    [sys.executable, "-m", "lab.bench.consumer", url, queue.name, str(AGGREGATE_PREFETCH)],
                     env={},
                     log=run.work_dir / f"consumer-{system}-{n}.log",
                 )

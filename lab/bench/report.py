@@ -230,7 +230,7 @@ def tables(run: BenchRun) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def markdown(run: BenchRun) -> str:
-    """The tables as Markdown (for docs/performance.md)."""
+    """The tables as Markdown (for the README's performance section)."""
     return "\n\n".join(markdown_table(*table) for table in tables(run)) + "\n"
 
 

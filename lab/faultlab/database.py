@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 from django.core.management import call_command
 from django.db import connection, connections
@@ -46,21 +45,6 @@ def migrate() -> None:
     settings, and the lab only ever talks to the private Redis it starts.
     """
     call_command("migrate", interactive=False, verbosity=0, skip_checks=True)
-
-
-def url_for_workers() -> str:
-    """A ``DATABASE_URL`` for worker processes that opens the database this process uses."""
-    settings = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{Path(settings['NAME']).resolve()}"
-    if connection.vendor != "postgresql":
-        raise ValueError(f"the fault lab runs on SQLite or PostgreSQL, not {connection.vendor}")
-    auth = quote(settings["USER"] or "")
-    if settings.get("PASSWORD"):
-        auth += ":" + quote(settings["PASSWORD"])
-    host = settings.get("HOST") or "127.0.0.1"
-    port = settings.get("PORT") or 5432
-    return f"postgres://{auth}@{host}:{port}/{settings['NAME']}"
 
 
 def describe() -> str:

@@ -29,6 +29,7 @@ from lab.faultlab.history import History
 from lab.faultlab.schedule import FaultKind, ScheduledFault, build_schedule
 from lab.faultlab.topology import ClusterRedis, SingleRedis, Topology
 from lab.faultlab.workload import Publisher
+from lab.processes import database_url_for_workers
 from lab.proxy import FaultProxy
 from settings.celery import app as celery_app
 
@@ -216,7 +217,7 @@ def run_broker(
             count=config.workers,
             queues=queues,
             env={
-                "DATABASE_URL": database.url_for_workers(),
+                "DATABASE_URL": database_url_for_workers(),
                 "BROKER_URL": broker_url,
                 "REDIS_URL": f"redis://{host}:{port}/1",
                 "FENCED_LEASE_TIMEOUT": str(config.lease),

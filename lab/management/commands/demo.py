@@ -67,7 +67,9 @@ class Command(BaseCommand):
             f"  {with_env}python manage.py runserver\n"
             "then open http://127.0.0.1:8000/admin/queueapp/taskoutcome/ (one record per fenced task: "
             "deliveries, suppressed duplicates, stale refusals; filter by task lab.fenced_effect) and "
-            "http://127.0.0.1:8000/admin/queueapp/taskdelivery/ (every delivery and its verdict).\n"
+            "http://127.0.0.1:8000/admin/queueapp/taskdelivery/ (every delivery and its verdict); "
+            "http://127.0.0.1:8000/admin/lab/effect/?doubled=yes lists the effects the stock run "
+            "committed twice.\n"
             "The demo's private Redis is gone: the admin's queue pages show the Redis of REDIS_URL.\n"
         )
 

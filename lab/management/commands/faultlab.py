@@ -43,7 +43,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--faults",
             default="all",
-            help="comma-separated fault kinds, 'all' (default) or 'none'; see docs/failure_modes.md",
+            help="comma-separated fault kinds, 'all' (default) or 'none'; see the README's fault table",
         )
         parser.add_argument(
             "--seconds", type=float, default=60.0, help="length of the fault window (default 60)"
