@@ -131,6 +131,22 @@ def ensure_queued(
         )
 
 
+def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:
+    """Count and log a delivery that may not run (inside :func:`claim`'s transaction, row locked)."""
+    outcome.suppressed_duplicates += 1
+    outcome.save(update_fields=["deliveries", "suppressed_duplicates", "updated_at"])
+    TaskDelivery.objects.using(_db()).create(
+        outcome=outcome,
+        fence_token=delivery.token or 0,
+        token_source=_source(delivery),
+        verdict=Verdict.SUPPRESSED_DUPLICATE,
+        detail=detail,
+        started_at=now,
+        finished_at=now,
+        **_log_fields(delivery),
+    )
+
+
 def claim(
     key: str, delivery: DeliveryInfo, *, args: list, kwargs: dict, lease_seconds: float
 ) -> Claim | Suppressed | Outranked:
@@ -155,18 +171,7 @@ def claim(
         outcome.deliveries += 1
         outcome.updated_at = now
         if outcome.status in (Status.SUCCEEDED, Status.DEAD):
-            outcome.suppressed_duplicates += 1
-            outcome.save(update_fields=["deliveries", "suppressed_duplicates", "updated_at"])
-            TaskDelivery.objects.using(db).create(
-                outcome=outcome,
-                fence_token=delivery.token or 0,
-                token_source=_source(delivery),
-                verdict=Verdict.SUPPRESSED_DUPLICATE,
-                detail=f"key already {outcome.status}",
-                started_at=now,
-                finished_at=now,
-                **_log_fields(delivery),
-            )
+            _suppress(outcome, delivery, f"key already {outcome.status}", now)
             return Suppressed(outcome.pk, outcome.status, outcome.result)
         same_task = delivery.task_id == outcome.task_id
         chain_in_progress = outcome.status in (Status.QUEUED, Status.RUNNING)
@@ -174,18 +179,8 @@ def claim(
             # An older attempt redelivered after its retry took over (its worker died before
             # acking): the retry carries the key on, this one must not take it back. Once the
             # chain has failed for good, a rerun is allowed like any run of a failed key.
-            outcome.suppressed_duplicates += 1
-            outcome.save(update_fields=["deliveries", "suppressed_duplicates", "updated_at"])
-            TaskDelivery.objects.using(db).create(
-                outcome=outcome,
-                fence_token=delivery.token or 0,
-                token_source=_source(delivery),
-                verdict=Verdict.SUPPRESSED_DUPLICATE,
-                detail=f"attempt {delivery.retries} superseded by retry {outcome.retries}",
-                started_at=now,
-                finished_at=now,
-                **_log_fields(delivery),
-            )
+            detail = f"attempt {delivery.retries} superseded by retry {outcome.retries}"
+            _suppress(outcome, delivery, detail, now)
             return Suppressed(outcome.pk, outcome.status, None)
         if not delivery.fenced:
             token = outcome.fence_token + 1

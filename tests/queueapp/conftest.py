@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from urllib.parse import quote
 
 import pytest
 
 from broker_ext.queue import FencedQueue
-from lab.processes import CeleryWorker
+from lab.processes import CeleryWorker, database_url_for_workers
 from tests.helpers import reset_connections
 
 DEMO_TASKS = "tests.queueapp.demo_tasks"
@@ -52,24 +51,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "postgres" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def database_url() -> str:
-    """A DATABASE_URL for worker processes: the test database this run created."""
-    from django.db import connection
-
-    settings = connection.settings_dict
-    if connection.vendor == "sqlite":
-        name = settings["NAME"]
-        if not name or "mode=memory" in str(name) or str(name) == ":memory:":
-            raise RuntimeError("worker tests need a file-backed SQLite test database")
-        return f"sqlite:///{name}"
-    auth = quote(settings["USER"] or "")
-    if settings.get("PASSWORD"):
-        auth += ":" + quote(settings["PASSWORD"])
-    host = settings.get("HOST") or "127.0.0.1"
-    port = settings.get("PORT") or 5432
-    return f"postgres://{auth}@{host}:{port}/{settings['NAME']}"
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +114,7 @@ def start_worker(fenced_url, redis_server, redis_db, tmp_path) -> Iterator[Calla
     ) -> CeleryWorker:
         env = {
             "DJANGO_SETTINGS_MODULE": "settings.base",
-            "DATABASE_URL": database_url(),
+            "DATABASE_URL": database_url_for_workers(),
             "BROKER_URL": broker_url or fenced_url,
             "REDIS_URL": cache_url or f"redis://127.0.0.1:{redis_server.port}/{redis_db}",
             "FENCED_LEASE_TIMEOUT": str(lease_timeout),
