@@ -21,7 +21,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from broker_ext.errors import FencedError, RedisUnavailable, ScriptRefused
-from broker_ext.keys import queue_of_signal_key
+from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
 from broker_ext.queue import Claimed, Delivery
@@ -262,7 +262,7 @@ class Consuming:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken = queue_of_signal_key(bytes_to_str(reply[0]), self.global_keyprefix)
+                woken = queue_of_key(bytes_to_str(reply[0]), "signal")
                 self._queue_cycle.rotate(woken)
                 if woken in queues and self.claim_and_deliver([woken]):
                     return True

@@ -27,10 +27,13 @@ Layout for queue ``q`` (tag ``T``):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
 PREFIX = "fenced"
+#: A fixed key of a queue, after any global prefix: its hash tag and its name.
+_QUEUE_KEY = re.compile(PREFIX + r":\{(?P<tag>[^{}]*)\}:(?P<name>[a-z_]+)$")
 
 
 def hash_tag(queue: str) -> str:
@@ -124,13 +127,23 @@ class QueueKeys:
         ]
 
 
-def queue_of_signal_key(key: str, prefix: str = "") -> str:
-    """Invert :attr:`QueueKeys.signal`: the queue name a BRPOP reply came from.
-
-    The global key prefix may or may not still be on ``key`` (Kombu's prefixed
-    client strips it from BRPOP replies), so it is removed only when present.
-    """
-    if prefix and key.startswith(prefix):
-        key = key[len(prefix) :]
-    tag = key[len(PREFIX) + 2 : -len("}:signal")]
+def unescape_tag(tag: str) -> str:
+    """Invert :func:`hash_tag` (``%25`` last, so that an escaped ``%`` stays itself)."""
     return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
+
+def queue_of_key(key: str, name: str) -> str | None:
+    """Invert :class:`QueueKeys`: the queue a fixed key called ``name`` belongs to, or ``None``.
+
+    Whatever stands before ``fenced:`` (a global key prefix, or none: Kombu's
+    prefixed client strips it from BRPOP replies) does not matter.
+    """
+    match = _QUEUE_KEY.search(key)
+    if match is None or match.group("name") != name:
+        return None
+    return unescape_tag(match.group("tag"))
+
+
+def key_pattern(name: str, prefix: str = "") -> str:
+    """A ``SCAN MATCH`` pattern for the key called ``name`` of every queue."""
+    return f"{prefix}{PREFIX}:{{*}}:{name}"

@@ -8,29 +8,16 @@ queues of ``celery inspect`` / ``control`` are left out: they are transient.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
-from broker_ext.keys import PREFIX
+from broker_ext.keys import key_pattern, queue_of_key
 from broker_ext.queue import QueueStats
 from queueapp import conf
 from queueapp.broker import fenced_channel
 from queueapp.models import TaskOutcome
 
-_STATS_KEY = re.compile(r"fenced:\{(?P<tag>[^{}]*)\}:stats$")
 _TRANSIENT_SUFFIX = ".reply.celery.pidbox"
 _SCAN_BATCH = 1000
-
-
-def _unescape_tag(tag: str) -> str:
-    """Invert :func:`broker_ext.keys.hash_tag` (the order matters: ``%25`` last)."""
-    return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
-
-
-def queue_of_stats_key(key: str) -> str | None:
-    """The queue name a ``fenced:{tag}:stats`` key belongs to (any global prefix before it), or ``None``."""
-    match = _STATS_KEY.search(key)
-    return _unescape_tag(match.group("tag")) if match else None
 
 
 def configured_queues(app) -> set[str]:
@@ -47,14 +34,14 @@ def scanned_queues(channel, limit: int | None = None) -> set[str]:
     """Queues with a ``stats`` hash in Redis, looking at no more than ``limit`` keys."""
     limit = limit if limit is not None else int(conf.get("QUEUE_SCAN_LIMIT"))
     client = channel.fenced_client
-    pattern = f"{channel.global_keyprefix}{PREFIX}:{{*}}:stats"
+    pattern = key_pattern("stats", channel.global_keyprefix)
     names: set[str] = set()
     cursor, examined = 0, 0
     while examined < limit:
         cursor, keys = client.scan(cursor, match=pattern, count=min(_SCAN_BATCH, limit - examined))
         examined += _SCAN_BATCH
         for key in keys:
-            name = queue_of_stats_key(key.decode() if isinstance(key, bytes) else key)
+            name = queue_of_key(key.decode() if isinstance(key, bytes) else key, "stats")
             if name is not None:
                 names.add(name)
         if cursor == 0:
