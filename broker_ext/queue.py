@@ -100,16 +100,6 @@ class DeadLetter:
     payload: bytes | None
 
 
-@dataclass(frozen=True)
-class Lease:
-    """A message under lease: who may ack it (token) and until when (server ms)."""
-
-    message_id: str
-    deadline_ms: int
-    token: int
-    deliveries: int
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -392,21 +382,6 @@ class FencedQueue:
                 )
             )
         return letters
-
-    def leases(self, limit: int = 100, *, expired_only: bool = False) -> list[Lease]:
-        k = self.keys
-        upper = int(self.client.time()[0]) * 1000 if expired_only else "+inf"
-        entries = self.client.zrange(
-            k.leases, "-inf", upper, byscore=True, offset=0, num=limit, withscores=True
-        )
-        if not entries:
-            return []
-        states = self.client.hmget(k.state, [e[0] for e in entries])
-        leases = []
-        for (message_id, deadline), state in zip(entries, states, strict=True):
-            token, deliveries = (_text(state).split("|")[:2]) if state else ("0", "0")
-            leases.append(Lease(_text(message_id), int(deadline), int(token), int(deliveries)))
-        return leases
 
     def payload(self, message_id: str) -> bytes | None:
         return self.client.hget(self.keys.bodies, message_id)
