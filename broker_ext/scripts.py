@@ -79,8 +79,13 @@ class Reply(IntEnum):
 
 @cache
 def source(name: str) -> str:
-    """The text of ``lua/<name>.lua``, read once per process."""
-    return (LUA_DIR / f"{name}.lua").read_text()
+    """The text sent to Redis, read once per process: ``lua/<name>.lua`` with the shared helpers.
+
+    ``lua/include/common.lua`` (``check_type``, ``parse_state``) goes right after
+    the script's shebang line, which Redis requires to stay first.
+    """
+    shebang, _, body = (LUA_DIR / f"{name}.lua").read_text().partition("\n")
+    return f"{shebang}\n{(LUA_DIR / 'include' / 'common.lua').read_text()}\n{body}"
 
 
 @dataclass(frozen=True)

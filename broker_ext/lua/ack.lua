@@ -24,13 +24,6 @@ Reply: one integer per pair:
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
 local window = tonumber(ARGV[1])
 if #KEYS ~= 7 or not window or #ARGV < 3 or #ARGV % 2 ~= 1 then
   error({err = 'FENCED BADARG ack needs 7 keys, a window and id/token pairs'})

@@ -39,22 +39,6 @@ Reply: a flat array, four entries per delivery: id, token, deliveries, payload.
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
--- "token|deliveries|priority|queued_ms" -> table, or nil when it is not that.
-local function parse_state(st)
-  if not st then return nil end
-  local token, deliveries, priority, queued = string.match(st, '^(%d+)|(%d+)|(%d)|(%d+)$')
-  if not token then return nil end
-  return {token = tonumber(token), deliveries = tonumber(deliveries), priority = tonumber(priority),
-          queued = queued}
-end
-
 local count, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
 local request_ttl, no_ack, promote = tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
 if #KEYS ~= 11 or not count or count < 1 or not lease or lease <= 0

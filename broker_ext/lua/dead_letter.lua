@@ -20,13 +20,6 @@ Reply: one integer per pair:
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
 if #KEYS ~= 7 or #ARGV < 3 or #ARGV % 2 ~= 1 then
   error({err = 'FENCED BADARG dead_letter needs 7 keys, a reason and id/token pairs'})
 end

@@ -19,13 +19,6 @@ Reply: one integer per pair:
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
 local lease = tonumber(ARGV[1])
 if #KEYS ~= 4 or not lease or lease <= 0 or #ARGV < 3 or #ARGV % 2 ~= 1 then
   error({err = 'FENCED BADARG extend needs 4 keys, a lease > 0 and id/token pairs'})

@@ -31,13 +31,6 @@ Reply: one integer per message:
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
 local count = (#ARGV - 2) / 5
 if count < 1 or count ~= math.floor(count) or #KEYS ~= 9 + count then
   error({err = 'FENCED BADARG publish needs 9 + n keys and 2 + 5n arguments'})

@@ -10,13 +10,6 @@ Reply: the number of messages deleted.
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
 local limit = tonumber(ARGV[1])
 if #KEYS ~= 4 or not limit or limit < 1 then
   error({err = 'FENCED BADARG purge needs 4 keys and a limit >= 1'})

@@ -20,20 +20,6 @@ Reply: {reclaimed, dead_lettered}
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
-local function parse_state(st)
-  local token, deliveries, priority, queued = string.match(st, '^(%d+)|(%d+)|(%d)|(%d+)$')
-  if not token then return nil end
-  return {token = tonumber(token), deliveries = tonumber(deliveries), priority = tonumber(priority),
-          queued = queued}
-end
-
 local max_deliveries, limit, signal_cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if #KEYS ~= 8 or not max_deliveries or not limit or limit < 1 or not signal_cap then
   error({err = 'FENCED BADARG reclaim needs 8 keys, max deliveries, limit >= 1, signal cap'})

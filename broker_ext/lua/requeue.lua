@@ -33,20 +33,6 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>",
 "FENCED CORRUPT <id>" (a state that is not "token|deliveries|priority|queued_ms").
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
-local function parse_state(st)
-  local token, deliveries, priority, queued = string.match(st, '^(%d+)|(%d+)|(%d)|(%d+)$')
-  if not token then return nil end
-  return {token = tonumber(token), deliveries = tonumber(deliveries), priority = tonumber(priority),
-          queued = queued}
-end
-
 local max_deliveries, counted = tonumber(ARGV[1]), ARGV[2] == '1'
 local delay, floor, signal_cap = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local why = ARGV[6] ~= '' and ARGV[6] or 'rejected'

@@ -21,20 +21,6 @@ Reply: one integer per pair: 1 OK, -1 NOT_FOUND, -2 STALE (held by a consumer, o
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
 
-local function check_type(key, want)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= want then
-    error({err = 'FENCED WRONGTYPE ' .. key .. ' is a ' .. t .. ', expected ' .. want})
-  end
-end
-
-local function parse_state(st)
-  local token, deliveries, priority, queued = string.match(st, '^(%d+)|(%d+)|(%d)|(%d+)$')
-  if not token then return nil end
-  return {token = tonumber(token), deliveries = tonumber(deliveries), priority = tonumber(priority),
-          queued = queued}
-end
-
 local reset, signal_cap = ARGV[1] == '1', tonumber(ARGV[2])
 if #KEYS ~= 9 or not signal_cap or #ARGV < 4 or #ARGV % 2 ~= 0 then
   error({err = 'FENCED BADARG revive needs 9 keys, reset flag, signal cap and id/token pairs'})
