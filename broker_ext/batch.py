@@ -61,10 +61,7 @@ class FencedPublishBatch:
         if refusals:
             raise refusals[0]
         if self._commands:
-            pipe = self.channel.fenced_client.pipeline(transaction=False)
-            for name, args in self._commands:
-                getattr(pipe, name)(*args)
-            pipe.execute()
+            self.channel.send_kombu_commands(self._commands)
         self.discard()
 
     def discard(self) -> None:

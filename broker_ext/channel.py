@@ -3,98 +3,62 @@
 Kombu's virtual-channel contract is a few hooks (``_put``, ``_get``,
 ``_size``, ``_purge``, ``_delete``, ``_new_queue``, ``_has_queue``) plus the
 QoS; each is overridden here to call :class:`~broker_ext.queue.FencedQueue`.
-The consume path keeps Kombu's BRPOP machinery, pointed at a per-queue signal
-list: a publish pushes a wake-up token, a BRPOP reply (or its timeout) makes
-the channel claim in Lua, and any acks waiting in the QoS buffer travel with
-that claim in the same round trip.
+The consume path (:mod:`broker_ext.consume`) keeps Kombu's BRPOP machinery,
+pointed at a per-queue signal list; ending deliveries is the QoS's
+(:mod:`broker_ext.qos`). Options are declared once, in
+:mod:`broker_ext.options`.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import cached_property
 
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
+from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
 from broker_ext.consume import Consuming, PendingClaim
 from broker_ext.errors import MessageTooLarge, Reply
-from broker_ext.messages import (
-    DEDUP_KEY_HEADER,
-    DEDUP_WINDOW_HEADER,
-    delay_ms_of,
-    message_id_of,
-)
+from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER, delay_ms_of, message_id_of
 from broker_ext.qos import FencedQoS
-from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import ScriptCall, register, run_calls
 
 logger = logging.getLogger(__name__)
 
 
+@options.declare
 class Channel(Consuming, kombu_redis.Channel):
-    """A Redis channel whose queues are fenced: claim, lease, ack by token."""
+    """A Redis channel whose queues are fenced: claim, lease, ack by token and claim."""
 
     QoS = FencedQoS
-
-    #: Seconds a delivery stays leased without extension.
-    lease_timeout = 30.0
-    #: Seconds between lease extensions (default: a third of the lease).
-    extend_interval = None
-    #: Seconds between reclaims of expired leases (default: min(lease/2, 5)).
-    reclaim_interval = None
-    #: Deliveries before a message is dead-lettered.
-    max_deliveries = 5
-    #: Seconds acked ids are remembered so that a resent publish stays a no-op.
-    publish_dedup_window = 60.0
-    #: Default window (seconds) of a message's dedup key.
-    dedup_window = 300.0
-    #: Most messages one claim takes when prefetch is unlimited.
-    claim_batch = 100
-    #: Largest payload, in bytes, that is published or delivered.
-    max_message_size = 16 * 1024 * 1024
-    #: Longest the signal list grows (wake-ups beyond this are redundant).
-    signal_cap = 64
-    #: Seconds an ack may wait to travel with the next claim (0: every ack is sent at once).
-    ack_flush_interval = 0.05
-    #: Buffered acks that are sent at once, without waiting.
-    ack_batch_size = 100
-    #: Connect to a Redis Cluster (see :mod:`broker_ext.cluster`).
-    cluster = False
 
     #: Script calls of several queues may share a pipeline (not on Redis Cluster).
     pipelines_scripts = True
 
-    from_transport_options = (
-        *kombu_redis.Channel.from_transport_options,
-        "lease_timeout",
-        "extend_interval",
-        "reclaim_interval",
-        "max_deliveries",
-        "publish_dedup_window",
-        "dedup_window",
-        "claim_batch",
-        "max_message_size",
-        "signal_cap",
-        "ack_flush_interval",
-        "ack_batch_size",
-        "cluster",
-    )
-
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, connection, *args, **kwargs) -> None:
+        self._given_options = dict(connection.client.transport_options or {})
+        options.check(self._given_options)
         self._more_ready: str | None = None
         self._polled_claim: PendingClaim | None = None
-        super().__init__(*args, **kwargs)
+        super().__init__(connection, *args, **kwargs)
         self._queues: dict[str, FencedQueue] = {}
         self._no_ack_queues: set[str] = set()
         #: The publish batch routing a message right now (its binding tables are read once).
         self.routing_batch: FencedPublishBatch | None = None
 
     # -- plumbing ------------------------------------------------------------------------
+
+    @cached_property
+    def settings(self) -> options.TransportSettings:
+        """This channel's validated options, derived values included."""
+        return options.resolve(lambda name: getattr(self, name))
 
     @cached_property
     def fenced_client(self) -> redis.Redis:
@@ -110,30 +74,29 @@ class Channel(Consuming, kombu_redis.Channel):
         """Kombu builds a new client here on every call (tens of microseconds per publish); reuse one."""
         return nullcontext(client or self._shared_client)
 
+    def send_kombu_commands(self, commands: list[tuple[str, tuple]]) -> None:
+        """Run Kombu's own commands (a batch's fanout PUBLISHes) through its prefixed client."""
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            for name, args in commands:
+                getattr(pipe, name)(*args)
+            pipe.execute()
+
     @cached_property
     def scripts(self):
         return register(self.fenced_client)
-
-    @cached_property
-    def queue_options(self) -> QueueOptions:
-        return QueueOptions(
-            lease_ms=int(float(self.lease_timeout) * 1000),
-            max_deliveries=int(self.max_deliveries),
-            done_window_ms=int(float(self.publish_dedup_window) * 1000),
-            signal_cap=int(self.signal_cap),
-        )
 
     def fenced_queue(self, name: str) -> FencedQueue:
         """The :class:`FencedQueue` of ``name`` (honouring the queue's ``x-expires``)."""
         queue = self._queues.get(name)
         if queue is None:
-            options = self.queue_options
+            queue_options = self.settings.queue
             if name in self._expires:
-                options = QueueOptions(**{**options.__dict__, "ttl_ms": int(self._expires[name])})
+                queue_options = replace(queue_options, ttl_ms=int(self._expires[name]))
             queue = FencedQueue(
                 self.fenced_client,
                 name,
-                options=options,
+                options=queue_options,
                 scripts=self.scripts,
                 prefix=self.global_keyprefix,
             )
@@ -183,21 +146,28 @@ class Channel(Consuming, kombu_redis.Channel):
         """Turn a Kombu message into what the publish script stores, or refuse it."""
         payload = dumps(message)
         size = len(payload.encode()) if isinstance(payload, str) else len(payload)
-        if size > self.max_message_size:
+        limit = self.settings.max_message_size
+        if size > limit:
             raise MessageTooLarge(
-                f"message of {size} bytes exceeds max_message_size ({self.max_message_size}); not published"
+                f"message of {size} bytes as stored (JSON envelope, base64 body) exceeds "
+                f"max_message_size ({limit}); not published"
             )
         headers = message.get("headers") or {}
         dedup_key = headers.get(DEDUP_KEY_HEADER)
-        window = float(headers.get(DEDUP_WINDOW_HEADER) or self.dedup_window)
+        window = float(headers.get(DEDUP_WINDOW_HEADER) or self.settings.dedup_window)
         return OutgoingMessage(
             message_id=message_id_of(message),
             payload=payload,
-            priority=self._get_message_priority(message, reverse=False),
+            priority=self._priority_of(message),
             delay_ms=delay_ms_of(message),
             dedup_key=str(dedup_key) if dedup_key else None,
             dedup_window_ms=int(window * 1000) if dedup_key else 0,
         )
+
+    def _priority_of(self, message: dict) -> int:
+        """0-9, 0 first; rounded down to a step only when ``priority_steps`` is set, as redis:// does."""
+        priority = self._get_message_priority(message, reverse=False)
+        return self.priority(priority) if "priority_steps" in self._given_options else priority
 
     def _put(self, queue, message, **kwargs):
         outgoing = self.outgoing(message)
@@ -238,7 +208,7 @@ class Channel(Consuming, kombu_redis.Channel):
             else:
                 keeper.stop()
         try:
-            self.flush_acks()
+            self.qos.flush_acks()
         except Exception as exc:
             # Not lost: those messages are delivered again after their lease; @exactly_once absorbs it.
             logger.warning("could not send the last acks at close (%r)", exc)

@@ -18,6 +18,9 @@ differs from a single Redis:
   broadcasts to every node: its connection goes to any node of the cluster.
 * Kombu's expiring binding tables rely on a script that spans two slots; on a
   cluster, bindings are kept without expiry.
+* Kombu's own commands (binding tables, fanout PUBLISH) go through a cluster
+  client that adds ``global_keyprefix`` to their keys as Kombu's prefixed
+  client does (the fenced queues' keys carry it already).
 * The startup nodes are the URL's host and those of its failover alternates
   (``fenced://10.0.0.1:7000;fenced://10.0.0.2:7000``), so a worker starts and
   reconnects while one of them is down.
@@ -29,15 +32,24 @@ from contextlib import nullcontext
 from functools import cached_property
 
 import redis
+from kombu.transport import redis as kombu_redis
 from kombu.utils.url import parse_url
 from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
 
 from broker_ext.channel import Channel
 from broker_ext.consume import Empty
-from broker_ext.errors import ClusterConfigurationError
+from broker_ext.errors import ConfigurationError
 
 #: Connection settings of Kombu's that are not passed on to the cluster client.
 NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class", "retry"}
+
+
+class PrefixedRedisCluster(kombu_redis.GlobalKeyPrefixMixin, RedisCluster):
+    """``RedisCluster`` prefixing the keys of Kombu's commands with ``global_keyprefix``, as Kombu does."""
+
+    def __init__(self, *args, global_keyprefix: str = "", **kwargs) -> None:
+        self.global_keyprefix = global_keyprefix
+        RedisCluster.__init__(self, *args, **kwargs)
 
 
 class ClusterChannel(Channel):
@@ -54,9 +66,12 @@ class ClusterChannel(Channel):
         """The cluster client of every script call and of Kombu's binding tables (thread-safe)."""
         params = self._connparams()
         if params.get("db"):
-            raise ClusterConfigurationError(
+            raise ConfigurationError(
                 f"Redis Cluster has only database 0; the broker URL asks for database {params['db']}"
             )
+        return RedisCluster(startup_nodes=self._startup_nodes(params), **self._cluster_kwargs(params))
+
+    def _cluster_kwargs(self, params: dict) -> dict:
         kwargs = {
             name: value
             for name, value in params.items()
@@ -64,7 +79,7 @@ class ClusterChannel(Channel):
         }
         if self.connection.client.ssl:
             kwargs["ssl"] = True
-        return RedisCluster(startup_nodes=self._startup_nodes(params), **kwargs)
+        return kwargs
 
     def _startup_nodes(self, params: dict) -> list[ClusterNode]:
         nodes = [ClusterNode(params["host"], int(params["port"]))]
@@ -75,12 +90,29 @@ class ClusterChannel(Channel):
                 nodes.append(address)
         return nodes
 
+    @cached_property
+    def kombu_client(self) -> RedisCluster:
+        """The cluster client of Kombu's own commands, prefixed with ``global_keyprefix`` when one is set."""
+        if not self.global_keyprefix:
+            return self.fenced_client
+        params = self._connparams()
+        return PrefixedRedisCluster(
+            startup_nodes=self._startup_nodes(params),
+            global_keyprefix=self.global_keyprefix,
+            **self._cluster_kwargs(params),
+        )
+
     def conn_or_acquire(self, client=None):
         """Kombu's binding tables and fanout PUBLISH always go through the cluster client.
 
         Kombu passes its own BRPOP client here at close; that one reaches one node only.
         """
-        return nullcontext(self.fenced_client)
+        return nullcontext(self.kombu_client)
+
+    def send_kombu_commands(self, commands: list[tuple[str, tuple]]) -> None:
+        """One by one: a cluster pipeline would route them by unprefixed keys."""
+        for name, args in commands:
+            getattr(self.kombu_client, name)(*args)
 
     def _node_pool(self, node: ClusterNode, *, asynchronous: bool) -> redis.ConnectionPool:
         params = self._connparams(asynchronous=asynchronous)
@@ -156,6 +188,6 @@ class ClusterChannel(Channel):
 
     def close(self):
         super().close()
-        client = self.__dict__.get("fenced_client")
-        if client is not None:
+        opened = (self.__dict__.get("kombu_client"), self.__dict__.get("fenced_client"))
+        for client in {id(c): c for c in opened if c is not None}.values():
             client.close()

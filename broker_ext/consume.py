@@ -1,12 +1,14 @@
-"""The consume and ack path of the fenced channel: claims, the poll command, deliveries, acks.
+"""The consume path of the fenced channel: claims, the poll command, and handing deliveries over.
 
 Kombu's Redis machinery polls one command per channel on its event loop (a
 BRPOP, in the stock transport). Here the poll command is a BRPOP on the
 queues' signal lists while the queues look empty, and the claim itself while
 the last claim came back full (messages are waiting): then a busy consumer
-pays one round trip per claim, acks included, and the event loop never
-blocks on it. A claim made outside the poll (``basic_get``, a BRPOP wake-up)
-goes through :meth:`Consuming.claim`, synchronously, with the same acks.
+pays one round trip per claim, the QoS's buffered acks included, and the
+event loop never blocks on it. A claim made outside the poll (``basic_get``,
+a BRPOP wake-up) goes through :meth:`Consuming.claim`, synchronously, with
+the same acks. Ending deliveries (acks, rejects, give-backs) is the QoS's
+(:mod:`broker_ext.qos`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from broker_ext.errors import FencedError, RedisUnavailable, Reply, ScriptRefused
+from broker_ext.consumers import ConsumerRegistry, process_name
+from broker_ext.errors import FencedError, RedisUnavailable, ScriptRefused
 from broker_ext.keys import queue_of_key
-from broker_ext.lease_keeper import LeaseKeeper
+from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
+from broker_ext.qos import NOT_RUN, PendingAcks
+from broker_ext.queue import new_claim_id
 from broker_ext.records import Claimed, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
 
@@ -31,31 +36,23 @@ logger = logging.getLogger(__name__)
 
 Empty = kombu_redis.Empty
 
-#: The reply of a call that met NOSCRIPT (a restarted Redis): it did not run, and comes again.
-NOT_RUN = object()
-
 
 @dataclass(frozen=True)
 class PendingClaim:
-    """A claim on its way, with the buffered acks that travel with it."""
+    """A claim on its way, with the buffered acks that travel ahead of it in the same round trip."""
 
     queue: str
     count: int
-    acks: list[Delivery]
-    groups: dict[str, list[Delivery]]
-    calls: list[ScriptCall]
+    acks: PendingAcks
+    claim: ScriptCall
 
-
-def by_queue(deliveries: list[Delivery]) -> dict[str, list[Delivery]]:
-    """Deliveries grouped by queue, in first-seen order."""
-    groups: dict[str, list[Delivery]] = {}
-    for delivery in deliveries:
-        groups.setdefault(delivery.queue, []).append(delivery)
-    return groups
+    @property
+    def calls(self) -> list[ScriptCall]:
+        return [*self.acks.calls, self.claim]
 
 
 class Consuming:
-    """The consume and ack path, mixed into :class:`broker_ext.channel.Channel`."""
+    """The consume path, mixed into :class:`broker_ext.channel.Channel`."""
 
     def basic_consume(self, queue, no_ack, *args, **kwargs):
         if no_ack:
@@ -68,11 +65,29 @@ class Consuming:
 
     @cached_property
     def keeper(self) -> LeaseKeeper:
-        return LeaseKeeper(self)
+        settings = self.settings
+        intervals = KeeperIntervals(
+            settings.extend_interval, settings.reclaim_interval, settings.ack_flush_interval
+        )
+        registry = ConsumerRegistry(
+            self.fenced_client,
+            self.scripts.report_consumer,
+            consumer_id=f"{process_name()}/{new_claim_id()}",
+            prefix=self.global_keyprefix,
+            forget_after_s=max(120.0, 10 * settings.extend_interval),
+        )
+        return LeaseKeeper(self.qos, self, intervals, registry)
 
     def _credit(self) -> int:
+        """How many messages the next claim may take: what prefetch allows, and one without a limit.
+
+        Without a prefetch limit Kombu's ``redis://`` hands over one message per
+        poll, and a ``SimpleQueue`` user expects just that: a message claimed in
+        a batch would sit in this consumer's buffer, leased, where no other
+        consumer can get it.
+        """
         estimate = self.qos.can_consume_max_estimate()
-        return int(self.claim_batch) if estimate is None else estimate
+        return 1 if estimate is None else min(estimate, self.settings.claim_batch)
 
     def claim(self, queue: str, count: int, *, no_ack: bool | None = None) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
@@ -82,24 +97,22 @@ class Consuming:
         pending = self._claim_calls(queue, count, no_ack)
         try:
             results = self.run_calls(pending.calls)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            self.qos.buffer_acks(pending.acks)  # Resending them is safe: a resent ack is ALREADY_ACKED.
+        except self.connection_errors:
+            self.qos.buffer_acks(pending.acks.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
             raise
         return self._claimed_payloads(pending, results)
 
     def _claim_calls(self, queue: str, count: int, no_ack: bool | None) -> PendingClaim:
-        """The buffered acks (taken from the buffer) and a claim, as calls for one round trip."""
+        """The buffered acks (taken from the QoS) and a claim, as calls for one round trip."""
         if no_ack is None:
             no_ack = queue in self._no_ack_queues
-        acks = self.qos.take_acks()
-        groups = by_queue(acks)
-        claim_call = self.fenced_queue(queue).claim_call(count, no_ack=no_ack)
-        return PendingClaim(queue, count, acks, groups, [*self._ack_calls(groups), claim_call])
+        claim = self.fenced_queue(queue).claim_call(count, no_ack=no_ack)
+        return PendingClaim(queue, count, self.qos.pending_acks(), claim)
 
     def _claimed_payloads(self, pending: PendingClaim, results: list) -> list[dict]:
         """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full."""
         *ack_replies, claimed = results
-        self._log_ack_replies(pending.groups, ack_replies)
+        self.qos.settle_acks(pending.acks, ack_replies)
         if isinstance(claimed, ScriptRefused):
             logger.error("claim on %r refused; the queue's keys need an operator: %s", pending.queue, claimed)
             claimed = []
@@ -112,8 +125,9 @@ class Consuming:
     def _payload_of(self, claimed: Claimed) -> dict | None:
         """Decode a claimed body and stamp the delivery on it; dead-letter what cannot be delivered."""
         delivery = claimed.delivery
-        if len(claimed.payload) > self.max_message_size:
-            self._dead_letter(delivery, f"oversized body: {len(claimed.payload)} bytes")
+        size = len(claimed.payload)
+        if size > self.settings.max_message_size:
+            self._dead_letter(delivery, f"oversized: the stored payload is {size} bytes (max_message_size)")
             return None
         try:
             payload = loads(bytes_to_str(claimed.payload))
@@ -124,7 +138,7 @@ class Consuming:
         if problem is not None:
             self._dead_letter(delivery, f"malformed body: {problem}")
             return None
-        stamp(payload["properties"], delivery)
+        stamp(payload, delivery)
         return payload
 
     def _dead_letter(self, delivery: Delivery, reason: str) -> None:
@@ -213,12 +227,10 @@ class Consuming:
                     results.append(translate(exc, call.queue))
         except self.connection_errors:
             connection.disconnect()
-            self.qos.buffer_acks(pending.acks)
+            self.qos.buffer_acks(pending.acks.deliveries)
             raise
-        for group, result in zip(pending.groups.values(), results, strict=False):
-            if result is NOT_RUN:
-                self.qos.buffer_acks(group)
         if results[-1] is NOT_RUN:
+            self.qos.settle_acks(pending.acks, results[:-1])
             raise Empty()  # _more_ready is unchanged: the next poll claims again
         payloads = self._claimed_payloads(pending, results)
         if self._closing:
@@ -232,16 +244,14 @@ class Consuming:
         """An error on the poll connection: a claim in flight is dropped (its acks kept)."""
         pending, self._polled_claim = self._polled_claim, None
         if type == "BRPOP" and pending is not None:
-            self.qos.buffer_acks(pending.acks)
+            self.qos.buffer_acks(pending.acks.deliveries)
             self.client.connection.disconnect()
             return None
         return super()._poll_error(type, **options)
 
     def _give_back(self, payloads: list[dict]) -> None:
         """Claimed while the channel closed: back to the queue unspent, before anyone waits for a lease."""
-        deliveries = [delivery_of(payload["properties"]) for payload in payloads]
-        if deliveries:
-            self.requeue_deliveries(deliveries, counted=False)
+        self.qos.give_back([delivery_of(payload["properties"]) for payload in payloads], counted=False)
 
     def _brpop_read(self, **options):
         try:
@@ -273,47 +283,7 @@ class Consuming:
             self._in_poll = None
             self._flush_brpop_reauth()
 
-    # -- ack path (called by FencedQoS) ------------------------------------------------------
-
-    def _ack_calls(self, groups: dict[str, list[Delivery]]) -> list[ScriptCall]:
-        return [self.fenced_queue(queue).ack_call(group) for queue, group in groups.items()]
-
-    def _log_ack_replies(self, groups: dict[str, list[Delivery]], results: list) -> None:
-        for (queue, group), replies in zip(groups.items(), results, strict=True):
-            if replies is NOT_RUN:
-                continue  # buffered again by the caller
-            if isinstance(replies, Exception):
-                # The messages stay leased; they are reclaimed and delivered again after the lease.
-                logger.error("acks of %d messages on %r failed: %r", len(group), queue, replies)
-                continue
-            for delivery, reply in zip(group, replies, strict=True):
-                if reply is Reply.STALE:
-                    logger.warning(
-                        "ack of %s on %r refused: a newer delivery exists", delivery.message_id, queue
-                    )
-
-    def flush_acks(self) -> None:
-        """Send every buffered ack now (from any thread); on a lost connection they stay buffered."""
-        acks = self.qos.take_acks()
-        if not acks:
-            return
-        groups = by_queue(acks)
-        try:
-            results = self.run_calls(self._ack_calls(groups))
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            self.qos.buffer_acks(acks)
-            raise
-        self._log_ack_replies(groups, results)
-
-    def requeue_deliveries(self, deliveries: list[Delivery], *, counted: bool) -> None:
-        for queue, group in by_queue(deliveries).items():
-            self.fenced_queue(queue).requeue(group, counted=counted)
-
-    def dead_letter_deliveries(self, deliveries: list[Delivery], reason: str) -> None:
-        for queue, group in by_queue(deliveries).items():
-            self.fenced_queue(queue).dead_letter(group, reason)
-
     def _restore(self, message, leftmost=False):
         delivery = delivery_of(message.properties)
         if delivery is not None:  # a fanout message has no lease to give back
-            self.requeue_deliveries([delivery], counted=False)
+            self.qos.give_back([delivery], counted=False)

@@ -54,5 +54,5 @@ class RedisUnavailable(FencedError, redis.exceptions.ConnectionError):
     """Raised when Redis cannot serve a queue now (failover, a replica, a slot moving); retried."""
 
 
-class ClusterConfigurationError(FencedError, ValueError):
-    """Raised when a cluster connection asks for what Redis Cluster cannot serve (a database other than 0)."""
+class ConfigurationError(FencedError, ValueError):
+    """Raised when a transport option, a URL or a queue name asks for what fenced:// cannot do."""

@@ -13,17 +13,22 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:leases``  zset    message id -> lease deadline, ms of server time
 ``fenced:{T}:dead``    zset    message id -> dead-lettered at, ms of server time
 ``fenced:{T}:bodies``  hash    message id -> the Kombu payload (JSON)
-``fenced:{T}:state``   hash    message id -> "token|deliveries|priority|queued_ms"
+``fenced:{T}:state``   hash    message id -> its state record (``lua/include/state.lua``)
 ``fenced:{T}:reasons`` hash    message id -> why it was dead-lettered (JSON)
 ``fenced:{T}:done``    zset    acked ids -> acked at (publish dedup window)
+``fenced:{T}:acks``    hash    acked ids -> "token|claim" of the delivery that acked it
 ``fenced:{T}:seq``     string  per-queue sequence for FIFO order within a priority
 ``fenced:{T}:signal``  list    wake-up tokens for blocked consumers (capped)
 ``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
-``fenced:{T}:claim:R`` string  the reply of claim request R, for a resent claim
+``fenced:{T}:claim:R`` string  the ids claim R leased, for a resent claim (expires)
+``fenced:consumers``   hash    consumer id -> what its lease keeper last reported (JSON)
 =====================  ======  ==================================================
+
+An empty queue name is refused: its tag would be ``{}``, which Redis ignores
+when it hashes a key, so the queue's keys would spread over many slots.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+
+from broker_ext.errors import ConfigurationError
 
 PREFIX = "fenced"
 #: A fixed key of a queue, after any global prefix: its hash tag and its name.
@@ -48,6 +55,10 @@ class QueueKeys:
 
     queue: str
     prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.queue:
+            raise ConfigurationError("a fenced queue needs a name: an empty one has no hash tag")
 
     @cached_property
     def base(self) -> str:
@@ -89,6 +100,10 @@ class QueueKeys:
         return self._key("done")
 
     @cached_property
+    def acks(self) -> str:
+        return self._key("acks")
+
+    @cached_property
     def seq(self) -> str:
         return self._key("seq")
 
@@ -125,12 +140,18 @@ class QueueKeys:
             self.state,
             self.reasons,
             self.done,
+            self.acks,
             self.seq,
             self.signal,
             self.stats,
             self.dedups,
             self.reclaims,
         ]
+
+
+def consumers_key(prefix: str = "") -> str:
+    """The hash where lease keepers report the consumers they keep alive (one key, not per queue)."""
+    return f"{prefix}{PREFIX}:consumers"
 
 
 def unescape_tag(tag: str) -> str:

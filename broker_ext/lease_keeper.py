@@ -2,11 +2,17 @@
 
 A daemon thread per consuming channel that (1) extends the lease of every
 delivery the consumer holds, (2) reclaims expired leases of the queues it
-consumes and (3) sends buffered acks the consumer did not send with a claim
-(and acks that failed while Redis was unreachable). It is a thread, not an
-event-loop timer, so that a solo worker busy in a long task, or a worker
-holding ETA messages, keeps its leases: only a consumer that stopped (killed,
-frozen, partitioned) loses them.
+consumes (and keeps queues declared with ``x-expires`` alive), (3) sends the
+buffered acks the consumer did not send with a claim (and acks that failed
+while Redis was unreachable), and (4) reports the consumer in the registry
+the admin's Workers view reads. It is a thread, not an event-loop timer, so
+that a solo worker busy in a long task, or a worker holding ETA messages,
+keeps its leases: only a consumer that stopped (killed, frozen, partitioned)
+loses them.
+
+It is given what it works with, not the channel: the QoS (what is held, the
+ack buffer), the queues (:class:`QueueSource`), its intervals, and the
+consumer's registry entry, as BullMQ's lock manager takes explicit options.
 """
 
 from __future__ import annotations
@@ -14,22 +20,58 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
-import redis
-
+from broker_ext.consumers import ConsumerRegistry
 from broker_ext.errors import Reply
+from broker_ext.qos import FencedQoS, by_queue
+from broker_ext.queue import FencedQueue
+from broker_ext.scripts import ScriptCall
 
 logger = logging.getLogger(__name__)
 
 
-class LeaseKeeper:
-    """Extends, reclaims and flushes acks for one channel until stopped."""
+class QueueSource(Protocol):
+    """Where the keeper finds its queues: the consuming channel."""
 
-    def __init__(self, channel) -> None:
-        self.channel = channel
-        lease = float(channel.lease_timeout)
-        self.extend_interval = float(channel.extend_interval or lease / 3)
-        self.reclaim_interval = float(channel.reclaim_interval or min(lease / 2, 5.0))
+    connection_errors: tuple[type[BaseException], ...]
+
+    @property
+    def active_queues(self) -> list[str]: ...
+
+    def fenced_queue(self, name: str) -> FencedQueue: ...
+
+    def run_calls(self, calls: list[ScriptCall]) -> list: ...
+
+
+@dataclass(frozen=True)
+class KeeperIntervals:
+    """Seconds between extensions and between reclaims; how long an ack may wait for a claim."""
+
+    extend: float
+    reclaim: float
+    ack_flush: float
+
+    @property
+    def tick(self) -> float:
+        return min(self.extend, self.reclaim, 1.0)
+
+
+class LeaseKeeper:
+    """Extends, reclaims, flushes acks and reports the consumer, until stopped."""
+
+    def __init__(
+        self,
+        qos: FencedQoS,
+        queues: QueueSource,
+        intervals: KeeperIntervals,
+        registry: ConsumerRegistry | None = None,
+    ) -> None:
+        self.qos = qos
+        self.queues = queues
+        self.intervals = intervals
+        self.registry = registry
         self._stopped = threading.Event()
         self._lingering = False
         self._thread: threading.Thread | None = None
@@ -46,56 +88,54 @@ class LeaseKeeper:
         """The channel closed while tasks it held still run: keep their leases until they are acked."""
         self._lingering = True
 
-    def _done_lingering(self) -> bool:
-        qos = self.channel.qos
-        return self._lingering and not qos.held() and not qos.unsent_ack_count()
-
     def stop(self) -> None:
         self._stopped.set()
-        self.channel.qos.acks_waiting.set()
+        self.qos.acks_waiting.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
+        self._unregister()
 
     def _run(self) -> None:
-        acks_waiting = self.channel.qos.acks_waiting
+        acks_waiting = self.qos.acks_waiting
+        intervals = self.intervals
         next_extend = next_reclaim = time.monotonic()
-        tick = min(self.extend_interval, self.reclaim_interval, 1.0)
         while True:
-            if acks_waiting.wait(tick) and not self._stopped.is_set():
+            if acks_waiting.wait(intervals.tick) and not self._stopped.is_set():
                 # Give the consumer's next claim the chance to carry these acks for free.
-                self._stopped.wait(self.channel.ack_flush_interval)
-            if self._stopped.is_set() or self._done_lingering():
+                self._stopped.wait(intervals.ack_flush)
+            if self._stopped.is_set():
                 return  # The channel's close sends the acks still buffered.
+            if self._lingering and self.qos.done():
+                self._unregister()
+                return
             acks_waiting.clear()
             now = time.monotonic()
             try:
-                self.channel.flush_acks()
+                self.qos.flush_acks()
                 if now >= next_extend:
                     self.extend()
-                    next_extend = now + self.extend_interval
+                    next_extend = now + intervals.extend
                 if now >= next_reclaim:
                     self.reclaim()
-                    next_reclaim = now + self.reclaim_interval
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                    next_reclaim = now + intervals.reclaim
+            except self.queues.connection_errors as exc:
                 logger.info("lease keeper: Redis unreachable (%r); retrying", exc)
-                self._stopped.wait(tick)
+                self._stopped.wait(intervals.tick)
             except Exception:
                 logger.exception("lease keeper: unexpected error; retrying")
-                self._stopped.wait(tick)
+                self._stopped.wait(intervals.tick)
 
     def extend(self) -> None:
-        """Extend every held delivery: one script call per queue, all in one round trip."""
-        qos = self.channel.qos
-        by_queue: dict[str, list] = {}
-        for delivery in qos.held():
-            by_queue.setdefault(delivery.queue, []).append(delivery)
-        calls = [self.channel.fenced_queue(queue).extend_call(held) for queue, held in by_queue.items()]
-        for (queue, held), replies in zip(by_queue.items(), self.channel.run_calls(calls), strict=True):
+        """Extend every held delivery (one script call per queue, all in one round trip); report in."""
+        held = self.qos.held()
+        groups = by_queue(held)
+        calls = [self.queues.fenced_queue(queue).extend_call(group) for queue, group in groups.items()]
+        for (queue, group), replies in zip(groups.items(), self.queues.run_calls(calls), strict=True):
             if isinstance(replies, Exception):
                 logger.error("extending leases on %r failed: %r", queue, replies)
                 continue
-            for delivery, reply in zip(held, replies, strict=True):
+            for delivery, reply in zip(group, replies, strict=True):
                 if reply is not Reply.OK:
                     logger.warning(
                         "lease of %s on %r lost (%s): it may run again elsewhere",
@@ -103,14 +143,30 @@ class LeaseKeeper:
                         queue,
                         reply.name,
                     )
-                    qos.forget(delivery)
+                    self.qos.forget(delivery)
+        self._report(held, extended=True)
 
     def reclaim(self) -> None:
         """Reclaim expired leases of the consumed queues; keep queues with ``x-expires`` alive."""
-        for queue in list(self.channel.active_queues):
-            fenced = self.channel.fenced_queue(queue)
+        for queue in list(self.queues.active_queues):
+            fenced = self.queues.fenced_queue(queue)
             reclaimed, dead = fenced.reclaim_all()
             if reclaimed or dead:
                 logger.info("reclaimed %d expired leases on %r (%d dead-lettered)", reclaimed, queue, dead)
             if fenced.options.ttl_ms:
                 fenced.touch(fenced.options.ttl_ms)
+
+    def _report(self, held, *, extended: bool) -> None:
+        if self.registry is None:
+            return
+        try:
+            self.registry.report(self.queues.active_queues, held, extended=extended)
+        except Exception as exc:  # A full Redis refuses the report; the leases above matter more.
+            logger.debug("lease keeper: consumer report failed: %r", exc)
+
+    def _unregister(self) -> None:
+        if self.registry is not None:
+            try:
+                self.registry.remove()
+            except Exception as exc:
+                logger.debug("lease keeper: could not remove the consumer's entry: %r", exc)

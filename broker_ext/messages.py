@@ -2,9 +2,11 @@
 
 A publish is identified by :func:`message_id_of` (the id publishes are
 idempotent on) and delayed by :func:`delay_ms_of`. A claimed delivery carries
-its fencing token and count in the message properties (in a Celery task:
-``self.request.properties``); :func:`stamp` writes them and
-:func:`delivery_of` reads them back when the consumer acks.
+its fencing token, claim id and count in the message properties (in a Celery
+task: ``self.request.properties``); :func:`stamp` writes them and
+:func:`delivery_of` reads them back, once, into the
+:class:`~broker_ext.records.Delivery` that the consumer acks and that
+queueapp hands back to defer it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from broker_ext.records import Delivery
 
 #: Message properties set on every delivery.
 FENCE_TOKEN = "fence_token"
+FENCE_CLAIM = "fence_claim"
 DELIVERY_COUNT = "delivery_count"
 FENCED_QUEUE = "fenced_queue"
 FENCED_MESSAGE_ID = "fenced_message_id"
@@ -83,14 +86,26 @@ def envelope_problem(payload: object) -> str | None:
     return None
 
 
-def stamp(properties: dict, delivery: Delivery) -> None:
-    """Write a delivery onto a claimed message's properties (the delivery tag names the delivery)."""
-    properties["delivery_tag"] = f"{delivery.message_id}#{delivery.token}"
+def stamp(payload: dict, delivery: Delivery) -> None:
+    """Write a delivery onto a claimed message (the delivery tag names the delivery, not the message).
+
+    From the second delivery on, the message says it is redelivered where
+    Kombu's ``redis://`` says so: ``delivery_info["redelivered"]`` and the
+    ``redelivered`` header.
+    """
+    properties = payload["properties"]
+    properties["delivery_tag"] = f"{delivery.message_id}#{delivery.token}.{delivery.claim}"
     properties[FENCE_TOKEN] = delivery.token
+    properties[FENCE_CLAIM] = delivery.claim
     properties[DELIVERY_COUNT] = delivery.deliveries
     properties[FENCED_QUEUE] = delivery.queue
     properties[FENCED_MESSAGE_ID] = delivery.message_id
-    properties.setdefault("delivery_info", {})["redelivered"] = delivery.deliveries > 1
+    redelivered = delivery.deliveries > 1
+    properties.setdefault("delivery_info", {})["redelivered"] = redelivered
+    if redelivered:
+        if payload.get("headers") is None:
+            payload["headers"] = {}
+        payload["headers"]["redelivered"] = True
 
 
 def delivery_of(properties: dict) -> Delivery | None:
@@ -106,4 +121,5 @@ def delivery_of(properties: dict) -> Delivery | None:
         message_id=properties[FENCED_MESSAGE_ID],
         token=int(properties[FENCE_TOKEN]),
         deliveries=int(properties.get(DELIVERY_COUNT, 1)),
+        claim=str(properties.get(FENCE_CLAIM, "")),
     )

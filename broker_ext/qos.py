@@ -1,32 +1,63 @@
-"""QoS for fenced deliveries: ack, reject and restore present the delivery's token.
+"""QoS for fenced deliveries: what a consumer holds, and its acks, rejects and give-backs.
 
 Kombu's virtual QoS keeps the prefetch accounting; this class adds a
 thread-safe registry of the deliveries the consumer holds (prefetched, ETA
 messages Celery keeps in memory, running tasks), which the lease keeper
-extends, and routes ack / reject / restore to the fenced scripts.
+extends, and owns everything that ends a delivery: acks, rejects, and giving
+deliveries back.
 
-Acks are batched: an ack frees the prefetch slot at once, and its Redis call
-travels with the consumer's next claim (one round trip for both) or is sent
-by the lease keeper after ``ack_flush_interval``, whichever comes first. A
-worker killed in between has that message delivered again, which is
-at-least-once delivery as promised; ``@exactly_once`` absorbs it.
+Acks are batched, as Kombu's own QoS writes its acks but one round trip at a
+time: an ack frees the prefetch slot at once and is buffered; the buffer
+travels with the consumer's next claim (:meth:`pending_acks`, read back by
+:meth:`settle_acks`, one round trip for both), or is sent by the lease keeper
+after ``ack_flush_interval`` (:meth:`flush_acks`), or at once when
+``ack_batch_size`` acks are waiting. A worker killed in between has those
+messages delivered again, which is at-least-once delivery as promised;
+``@exactly_once`` absorbs it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kombu.transport import virtual
 
+from broker_ext.errors import Reply
 from broker_ext.messages import delivery_of
 from broker_ext.records import Delivery
+from broker_ext.scripts import ScriptCall
 
 logger = logging.getLogger(__name__)
 
+#: The reply of a call that met NOSCRIPT (a restarted Redis): it did not run, and is sent again.
+NOT_RUN = object()
+
+
+def by_queue(deliveries: Iterable[Delivery]) -> dict[str, list[Delivery]]:
+    """Deliveries grouped by queue, in first-seen order."""
+    groups: dict[str, list[Delivery]] = {}
+    for delivery in deliveries:
+        groups.setdefault(delivery.queue, []).append(delivery)
+    return groups
+
+
+@dataclass(frozen=True)
+class PendingAcks:
+    """Buffered acks taken out of the buffer, as one ack call per queue, on their way to Redis."""
+
+    groups: dict[str, list[Delivery]]
+    calls: list[ScriptCall]
+
+    @property
+    def deliveries(self) -> list[Delivery]:
+        return [delivery for group in self.groups.values() for delivery in group]
+
 
 class FencedQoS(virtual.QoS):
-    """Prefetch accounting, the held-deliveries registry and the ack buffer."""
+    """Prefetch accounting, the held-deliveries registry, and the ends of deliveries."""
 
     restore_at_shutdown = True
 
@@ -39,6 +70,8 @@ class FencedQoS(virtual.QoS):
         self._kept: set[str] = set()
         #: Set when an ack is buffered: wakes the lease keeper to flush it.
         self.acks_waiting = threading.Event()
+
+    # -- what the consumer holds ------------------------------------------------------------
 
     def append(self, message, delivery_tag) -> None:
         delivery = delivery_of(message.properties)
@@ -77,59 +110,6 @@ class FencedQoS(virtual.QoS):
         with self._lock:
             return self._held.pop(delivery_tag, None)
 
-    def ack(self, delivery_tag) -> None:
-        delivery = self._release(delivery_tag)
-        try:
-            if delivery is not None:
-                self.buffer_acks([delivery])
-                if (
-                    self.channel.ack_flush_interval <= 0
-                    or self.unsent_ack_count() >= self.channel.ack_batch_size
-                ):
-                    self.channel.flush_acks()
-        finally:
-            super().ack(delivery_tag)  # The prefetch slot is free whatever Redis said.
-
-    def buffer_acks(self, deliveries: list[Delivery]) -> None:
-        """Keep acks for the next flush (also: acks a lost connection sent back)."""
-        with self._lock:
-            self._unsent_acks.extend(deliveries)
-        self.acks_waiting.set()
-
-    def take_acks(self) -> list[Delivery]:
-        """Every buffered ack, removed from the buffer (the caller sends them or buffers them again)."""
-        with self._lock:
-            acks, self._unsent_acks = self._unsent_acks, []
-        return acks
-
-    def unsent_ack_count(self) -> int:
-        with self._lock:
-            return len(self._unsent_acks)
-
-    def reject(self, delivery_tag, requeue: bool = False) -> None:
-        """Requeue (counted) or dead-letter; if Redis refuses, the lease expires and reclaim takes over."""
-        delivery = self._release(delivery_tag)
-        reason = self._reject_reasons.pop(delivery_tag, None) or "rejected by the consumer"
-        try:
-            if delivery is not None:
-                if requeue:
-                    self.channel.requeue_deliveries([delivery], counted=True)
-                else:
-                    self.channel.dead_letter_deliveries([delivery], reason)
-        finally:
-            super().ack(delivery_tag)
-
-    def note_reject_reason(self, delivery_tag, reason: str) -> None:
-        """Say why the coming reject of ``delivery_tag`` happens (kept as its dead-letter reason)."""
-        with self._lock:
-            self._reject_reasons[delivery_tag] = reason
-
-    def discard(self, delivery_tag) -> None:
-        """Forget a delivery the consumer could not take (the caller dead-letters it); frees its slot."""
-        self._release(delivery_tag)
-        self._reject_reasons.pop(delivery_tag, None)
-        super().ack(delivery_tag)
-
     def keep(self, delivery_tags) -> int:
         """Mark deliveries whose tasks still run: closing the channel will not give them back.
 
@@ -144,6 +124,103 @@ class FencedQoS(virtual.QoS):
         with self._lock:
             return any(tag in self._held for tag in self._kept)
 
+    def done(self) -> bool:
+        """Nothing held and no ack waiting: a lingering lease keeper may stop."""
+        return not self.held() and not self.unsent_ack_count()
+
+    # -- acks -------------------------------------------------------------------------------
+
+    def ack(self, delivery_tag) -> None:
+        delivery = self._release(delivery_tag)
+        try:
+            if delivery is not None:
+                self.buffer_acks([delivery])
+                channel = self.channel
+                if channel.ack_flush_interval <= 0 or self.unsent_ack_count() >= channel.ack_batch_size:
+                    self.flush_acks()
+        finally:
+            super().ack(delivery_tag)  # The prefetch slot is free whatever Redis said.
+
+    def buffer_acks(self, deliveries: list[Delivery]) -> None:
+        """Keep acks for the next flush (also: acks a lost connection sent back)."""
+        if not deliveries:
+            return
+        with self._lock:
+            self._unsent_acks.extend(deliveries)
+        self.acks_waiting.set()
+
+    def unsent_ack_count(self) -> int:
+        with self._lock:
+            return len(self._unsent_acks)
+
+    def pending_acks(self) -> PendingAcks:
+        """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`)."""
+        with self._lock:
+            acks, self._unsent_acks = self._unsent_acks, []
+        groups = by_queue(acks)
+        calls = [self.channel.fenced_queue(queue).ack_call(group) for queue, group in groups.items()]
+        return PendingAcks(groups, calls)
+
+    def settle_acks(self, pending: PendingAcks, replies: list) -> None:
+        """Read the replies of sent acks: log refusals, and buffer again what did not run."""
+        for (queue, group), reply in zip(pending.groups.items(), replies, strict=True):
+            if reply is NOT_RUN:
+                self.buffer_acks(group)
+            elif isinstance(reply, Exception):
+                # The messages stay leased; they are reclaimed and delivered again after the lease.
+                logger.error("acks of %d messages on %r failed: %r", len(group), queue, reply)
+            else:
+                for delivery, answer in zip(group, reply, strict=True):
+                    if answer is Reply.STALE:
+                        logger.warning(
+                            "ack of %s on %r refused: another delivery is the current one",
+                            delivery.message_id,
+                            queue,
+                        )
+
+    def flush_acks(self) -> None:
+        """Send every buffered ack now (from any thread); on a lost connection they stay buffered."""
+        pending = self.pending_acks()
+        if not pending.calls:
+            return
+        try:
+            replies = self.channel.run_calls(pending.calls)
+        except self.channel.connection_errors:
+            self.buffer_acks(pending.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
+            raise
+        self.settle_acks(pending, replies)
+
+    # -- rejects and give-backs ----------------------------------------------------------------
+
+    def reject(self, delivery_tag, requeue: bool = False) -> None:
+        """Requeue (counted) or dead-letter; if Redis refuses, the lease expires and reclaim takes over."""
+        delivery = self._release(delivery_tag)
+        reason = self._reject_reasons.pop(delivery_tag, None) or "rejected by the consumer"
+        try:
+            if delivery is not None:
+                if requeue:
+                    self.give_back([delivery], counted=True)
+                else:
+                    self.channel.fenced_queue(delivery.queue).dead_letter([delivery], reason)
+        finally:
+            super().ack(delivery_tag)
+
+    def note_reject_reason(self, delivery_tag, reason: str) -> None:
+        """Say why the coming reject of ``delivery_tag`` happens (kept as its dead-letter reason)."""
+        with self._lock:
+            self._reject_reasons[delivery_tag] = reason
+
+    def discard(self, delivery_tag) -> None:
+        """Forget a delivery the consumer could not take (the caller dead-letters it); frees its slot."""
+        self._release(delivery_tag)
+        self._reject_reasons.pop(delivery_tag, None)
+        super().ack(delivery_tag)
+
+    def give_back(self, deliveries: Iterable[Delivery], *, counted: bool) -> None:
+        """Requeue deliveries, one call per queue: counted (a reject) or unspent (never ran)."""
+        for queue, group in by_queue(deliveries).items():
+            self.channel.fenced_queue(queue).requeue(group, counted=counted)
+
     def restore_unacked(self) -> list:
         """Give back everything held, unspent (warm shutdown, channel close), but what :meth:`keep` kept."""
         self._flush()
@@ -154,7 +231,7 @@ class FencedQoS(virtual.QoS):
         if not held:
             return []
         try:
-            self.channel.requeue_deliveries(held, counted=False)
+            self.give_back(held, counted=False)
         except Exception as exc:
             # Nothing is lost: the leases expire and the messages are reclaimed. (Kombu would dump
             # "unrestored" messages to a file with pickle: there are none to hand it.)
@@ -166,4 +243,4 @@ class FencedQoS(virtual.QoS):
         return []
 
     def restore_visible(self, *args, **kwargs) -> None:
-        """Expired leases are reclaimed by the lease keeper, by server time; nothing to do here."""
+        """Nothing to do: every claim and each lease keeper reclaims expired leases, by server time."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import redis
 
 from broker_ext.errors import Reply
 from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
+from broker_ext.options import QueueOptions
 from broker_ext.records import (
     Claimed,
     DeadLetter,
@@ -33,31 +33,19 @@ from broker_ext.records import (
     ReclaimResult,
     StoredState,
 )
-from broker_ext.scripts import ScriptCall, Scripts, register, run_call
+from broker_ext.scripts import SCRIPT_KEYS, ScriptCall, Scripts, register, run_call
 from broker_ext.signals import DeadLetterNotice, message_dead_lettered
-
-
-@dataclass(frozen=True)
-class QueueOptions:
-    """Per-queue behaviour, filled from the transport options (seconds there, ms here)."""
-
-    lease_ms: int = 30_000
-    max_deliveries: int = 5
-    done_window_ms: int = 60_000
-    signal_cap: int = 64
-    claim_request_ttl_ms: int = 60_000
-    promote_limit: int = 100
-    ttl_ms: int = 0
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _pairs(deliveries: Iterable[Delivery]) -> list[str | int]:
-    args: list[str | int] = []
+def _triples(deliveries: Iterable[Delivery]) -> list[str]:
+    """The (id, token, claim) of each delivery, as the fenced scripts take them."""
+    args: list[str] = []
     for delivery in deliveries:
-        args += [delivery.message_id, str(delivery.token)]
+        args += [delivery.message_id, str(delivery.token), delivery.claim]
     return args
 
 
@@ -65,16 +53,20 @@ def _replies(reply: list) -> list[Reply]:
     return [Reply(r) for r in reply]
 
 
-def _decode_reclaim(reply: list) -> ReclaimResult:
-    dead = {_text(reply[i]): _text(reply[i + 1]) for i in range(2, len(reply), 2)}
-    return ReclaimResult(int(reply[0]), dead)
-
-
 def _dead_lettered(message_ids: Sequence[str], replies: Sequence[Reply], reason: str) -> dict[str, str]:
     """The ids a call's replies say it dead-lettered, each with ``reason``."""
-    return {
-        mid: reason for mid, reply in zip(message_ids, replies, strict=True) if reply is Reply.DEAD_LETTERED
-    }
+    pairs = zip(message_ids, replies, strict=True)
+    return {mid: reason for mid, reply in pairs if reply is Reply.DEAD_LETTERED}
+
+
+def _reasons(flat: list) -> dict[str, str]:
+    """``{id: reason}`` of a script's flat (id, reason, ...) reply."""
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def new_claim_id() -> str:
+    """A claim's id: random, so that two deliveries with the same token are still told apart."""
+    return uuid.uuid4().hex[:16]
 
 
 class FencedQueue:
@@ -83,7 +75,8 @@ class FencedQueue:
     Each operation has a ``*_call`` form that only builds the
     :class:`~broker_ext.scripts.ScriptCall`, so that calls on several queues
     can share one round trip (:func:`~broker_ext.scripts.run_calls`), and a
-    plain form that runs it at once.
+    plain form that runs it at once. Whatever a call dead-letters is announced
+    on :data:`broker_ext.signals.message_dead_lettered` once its reply is read.
     """
 
     def __init__(
@@ -101,24 +94,37 @@ class FencedQueue:
         self.options = options or QueueOptions()
         self.scripts = scripts or register(client)
 
-    def _call(self, script, keys: list[str], args: list, decode=_replies) -> ScriptCall:
-        return ScriptCall(self.name, script, keys, args, decode)
+    def _call(self, script: str, args: list, decode=_replies, **per_call: str | list[str]) -> ScriptCall:
+        """A call of ``script`` with its keys in the order :data:`SCRIPT_KEYS` declares.
+
+        ``per_call`` gives the keys that are not the queue's fixed ones (a claim's
+        request key, a publish's dedup keys: a list, one per message).
+        """
+        keys: list[str] = []
+        for role in SCRIPT_KEYS[script]:
+            value = per_call[role] if role in per_call else getattr(self.keys, role)
+            keys += value if isinstance(value, list) else [value]
+        return ScriptCall(self.name, getattr(self.scripts, script), keys, args, decode)
 
     def run(self, call: ScriptCall):
         """Run one call built by this queue; Redis errors come out as :mod:`broker_ext.errors`."""
         return run_call(self.client, call)
 
+    def _announce(self, dead_lettered: Mapping[str, str]) -> None:
+        """Tell :data:`broker_ext.signals.message_dead_lettered` receivers what a call set aside."""
+        if dead_lettered:
+            notices = [DeadLetterNotice(self.name, mid, reason) for mid, reason in dead_lettered.items()]
+            message_dead_lettered.send(sender=self, notices=notices)
+
     # -- publish -------------------------------------------------------------------------
 
     def publish_call(self, messages: Sequence[OutgoingMessage]) -> ScriptCall:
-        k = self.keys
-        keys = [k.bodies, k.state, k.ready, k.delayed, k.seq, k.done, k.signal, k.stats, k.dedups]
         args: list = [self.options.signal_cap, self.options.ttl_ms]
         for message in messages:
-            keys.append(k.dedup(message.dedup_key or ""))
             window = message.dedup_window_ms if message.dedup_key else 0
             args += [message.message_id, message.payload, message.priority, message.delay_ms, window]
-        return self._call(self.scripts.publish, keys, args)
+        dedup_keys = [self.keys.dedup(message.dedup_key or "") for message in messages]
+        return self._call("publish", args, dedup=dedup_keys)
 
     def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
         """Store messages (idempotent on id); one reply per message."""
@@ -126,64 +132,49 @@ class FencedQueue:
 
     # -- consume -------------------------------------------------------------------------
 
-    def claim_call(
-        self, count: int = 1, *, no_ack: bool = False, request_id: str | None = None
-    ) -> ScriptCall:
-        k = self.keys
-        return self._call(
-            self.scripts.claim,
-            [
-                k.ready,
-                k.delayed,
-                k.leases,
-                k.bodies,
-                k.state,
-                k.seq,
-                k.stats,
-                k.claim_request(request_id or uuid.uuid4().hex),
-                k.dead,
-                k.reasons,
-                k.signal,
-            ],
-            [
-                count,
-                self.options.lease_ms,
-                self.options.claim_request_ttl_ms,
-                int(no_ack),
-                self.options.promote_limit,
-            ],
-            self._decode_claim,
-        )
-
-    def claim(self, count: int = 1, *, no_ack: bool = False, request_id: str | None = None) -> list[Claimed]:
-        """Lease up to ``count`` ready messages (promoting due delayed ones first)."""
-        return self.run(self.claim_call(count, no_ack=no_ack, request_id=request_id))
-
-    def _decode_claim(self, reply: list) -> list[Claimed]:
-        return [
-            Claimed(Delivery(self.name, _text(reply[i]), int(reply[i + 1]), int(reply[i + 2])), reply[i + 3])
-            for i in range(0, len(reply), 4)
+    def claim_call(self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None) -> ScriptCall:
+        """A claim of up to ``count`` messages; a resent call with the same ``claim_id`` answers the same."""
+        claim_id = claim_id or new_claim_id()
+        o = self.options
+        args = [
+            count,
+            o.lease_ms,
+            claim_id,
+            o.claim_request_ttl_ms,
+            int(no_ack),
+            o.promote_limit,
+            o.max_deliveries,
+            o.max_interruptions,
+            o.reclaim_limit,
+            o.ttl_ms,
         ]
 
+        def decode(reply: list) -> list[Claimed]:
+            flat, dead = reply
+            self._announce(_reasons(dead))
+            return [
+                Claimed(
+                    Delivery(self.name, _text(flat[i]), int(flat[i + 1]), int(flat[i + 2]), claim_id),
+                    flat[i + 3],
+                )
+                for i in range(0, len(flat), 4)
+            ]
+
+        return self._call("claim", args, decode, request=self.keys.claim_request(claim_id))
+
+    def claim(self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None) -> list[Claimed]:
+        """Lease up to ``count`` ready messages (reclaiming expired leases and promoting due delays first)."""
+        return self.run(self.claim_call(count, no_ack=no_ack, claim_id=claim_id))
+
     def ack_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
-        k = self.keys
-        return self._call(
-            self.scripts.ack,
-            [k.leases, k.state, k.bodies, k.done, k.ready, k.delayed, k.stats],
-            [self.options.done_window_ms, *_pairs(deliveries)],
-        )
+        return self._call("ack", [self.options.done_window_ms, self.options.ttl_ms, *_triples(deliveries)])
 
     def ack(self, deliveries: Sequence[Delivery]) -> list[Reply]:
-        """Finish deliveries; a stale token is refused and changes nothing."""
+        """Finish deliveries; one that is not the current delivery is refused and changes nothing."""
         return self.run(self.ack_call(deliveries))
 
     def extend_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
-        k = self.keys
-        return self._call(
-            self.scripts.extend,
-            [k.leases, k.state, k.ready, k.delayed],
-            [self.options.lease_ms, *_pairs(deliveries)],
-        )
+        return self._call("extend", [self.options.lease_ms, *_triples(deliveries)])
 
     def extend(self, deliveries: Sequence[Delivery]) -> list[Reply]:
         """Push lease deadlines to server time + lease for deliveries still current."""
@@ -198,69 +189,51 @@ class FencedQueue:
         token_floor: int = 0,
         reason: str = "",
     ) -> list[Reply]:
-        """Give deliveries back (front of their priority, or delayed by ``delay_ms``); their tokens end.
+        """Give deliveries back, ending them; their tokens move on.
 
-        ``counted=False`` gives the delivery back unspent (shutdown); ``token_floor``
-        raises the message's token so its next delivery outranks one the database saw;
-        ``reason`` says why, in the dead-letter reason of a message out of deliveries.
+        ``counted=True`` (a reject) spends the delivery and puts the message at the
+        back of its priority; ``counted=False`` (shutdown) gives it back unspent, at
+        the front. ``delay_ms`` delays it instead; ``token_floor`` raises its token so
+        its next delivery outranks one the database saw; ``reason`` says why, in the
+        dead-letter reason of a message out of deliveries.
         """
-        k = self.keys
-        replies = self.run(
-            self._call(
-                self.scripts.requeue,
-                [k.leases, k.state, k.ready, k.delayed, k.seq, k.signal, k.stats, k.dead, k.reasons],
-                [
-                    self.options.max_deliveries,
-                    int(counted),
-                    delay_ms,
-                    token_floor,
-                    self.options.signal_cap,
-                    reason,
-                    *_pairs(deliveries),
-                ],
-            )
-        )
-        why = f"{reason or 'rejected'}: out of deliveries (max_deliveries {self.options.max_deliveries})"
+        o = self.options
+        args = [o.max_deliveries, int(counted), delay_ms, token_floor, o.signal_cap, reason]
+        replies = self.run(self._call("requeue", [*args, *_triples(deliveries)]))
+        why = f"{reason or 'rejected'}: out of deliveries (max_deliveries {o.max_deliveries})"
         self._announce(_dead_lettered([d.message_id for d in deliveries], replies, why))
         return replies
 
     def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> list[Reply]:
         """Set messages aside with a reason (body kept for inspection and revival)."""
-        return self._dead_letter([d.message_id for d in deliveries], _pairs(deliveries), reason)
+        return self._dead_letter([d.message_id for d in deliveries], _triples(deliveries), reason)
 
     def force_dead_letter(self, message_ids: Sequence[str], reason: str) -> list[Reply]:
         """Operator action: dead-letter by id, whoever holds the message."""
-        args: list = []
+        args: list[str] = []
         for message_id in message_ids:
-            args += [message_id, "*"]
+            args += [message_id, "*", "*"]
         return self._dead_letter(list(message_ids), args, reason)
 
-    def _dead_letter(self, message_ids: list[str], pairs: list, reason: str) -> list[Reply]:
-        k = self.keys
-        replies = self.run(
-            self._call(
-                self.scripts.dead_letter,
-                [k.leases, k.state, k.ready, k.delayed, k.dead, k.reasons, k.stats],
-                [reason, *pairs],
-            )
-        )
+    def _dead_letter(self, message_ids: list[str], triples: list[str], reason: str) -> list[Reply]:
+        replies = self.run(self._call("dead_letter", [reason, self.options.ttl_ms, *triples]))
         self._announce(_dead_lettered(message_ids, replies, reason))
         return replies
 
     def reclaim_call(self, limit: int = 1000) -> ScriptCall:
-        k = self.keys
-        return self._call(
-            self.scripts.reclaim,
-            [k.leases, k.state, k.ready, k.seq, k.signal, k.stats, k.dead, k.reasons, k.reclaims],
-            [self.options.max_deliveries, limit, self.options.signal_cap, self.options.lease_ms],
-            _decode_reclaim,
-        )
+        o = self.options
+        args = [o.max_deliveries, o.max_interruptions, limit, o.signal_cap, o.lease_ms]
+
+        def decode(reply: list) -> ReclaimResult:
+            result = ReclaimResult(int(reply[0]), _reasons(reply[2:]))
+            self._announce(result.dead_lettered)
+            return result
+
+        return self._call("reclaim", args, decode)
 
     def reclaim(self, limit: int = 1000) -> ReclaimResult:
-        """Return expired leases to ready (dead-lettering those out of deliveries)."""
-        result = self.run(self.reclaim_call(limit))
-        self._announce(result.dead_lettered)
-        return result
+        """Return expired leases to ready (dead-lettering those out of deliveries or interruptions)."""
+        return self.run(self.reclaim_call(limit))
 
     def reclaim_all(self, batch: int = 1000) -> tuple[int, int]:
         """Reclaim until no expired lease is left; returns (reclaimed, dead-lettered)."""
@@ -272,42 +245,29 @@ class FencedQueue:
             if result.reclaimed + len(result.dead_lettered) < batch:
                 return total_reclaimed, total_dead
 
-    def _announce(self, dead_lettered: Mapping[str, str]) -> None:
-        """Tell :data:`broker_ext.signals.message_dead_lettered` receivers what this call set aside."""
-        if dead_lettered:
-            notices = [DeadLetterNotice(self.name, mid, reason) for mid, reason in dead_lettered.items()]
-            message_dead_lettered.send(sender=self, notices=notices)
-
     def revive(
         self,
         message_ids: Sequence[str],
         *,
         reset_deliveries: bool = True,
-        tokens: Mapping[str, int] | None = None,
+        seen: Mapping[str, Delivery] | None = None,
     ) -> list[Reply]:
-        """Operator requeue: to the front of ready from dead or delayed; token bumped.
+        """Operator requeue: to the front of ready from dead, delayed or ready; token bumped.
 
-        A leased message is revived only with the token the operator saw
-        (``tokens[message_id]``, compare-and-set), so that a revive sent twice
-        never takes a message back from the consumer that claimed it since.
+        A leased message is revived only with the delivery the operator saw
+        (``seen[message_id]``, a compare-and-set on its token and claim), so
+        that a revive sent twice never takes a message back from the consumer
+        that claimed it since.
         """
-        k = self.keys
-        pairs: list = []
+        triples: list[str] = []
         for message_id in message_ids:
-            token = (tokens or {}).get(message_id)
-            pairs += [message_id, "*" if token is None else str(token)]
-        return self.run(
-            self._call(
-                self.scripts.revive,
-                [k.dead, k.reasons, k.state, k.ready, k.seq, k.signal, k.stats, k.leases, k.delayed],
-                [int(reset_deliveries), self.options.signal_cap, *pairs],
-            )
-        )
+            delivery = (seen or {}).get(message_id)
+            triples += _triples([delivery]) if delivery is not None else [message_id, "*", "*"]
+        return self.run(self._call("revive", [int(reset_deliveries), self.options.signal_cap, *triples]))
 
     def purge(self, batch: int = 1000) -> int:
         """Delete every ready message; returns how many."""
-        k = self.keys
-        call = self._call(self.scripts.purge, [k.ready, k.bodies, k.state, k.stats], [batch], int)
+        call = self._call("purge", [batch], int)
         total = 0
         while True:
             purged = self.run(call)
@@ -318,12 +278,7 @@ class FencedQueue:
     # -- read-only views -------------------------------------------------------------------
 
     def stats(self) -> QueueStats:
-        k = self.keys
-        reply = self.run(
-            self._call(
-                self.scripts.queue_stats, [k.ready, k.delayed, k.leases, k.dead, k.state, k.stats], [], list
-            )
-        )
+        reply = self.run(self._call("queue_stats", [], list))
         ready, delayed, leased, dead, expired, oldest_ms, now_ms, flat = reply
         counters = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         oldest = (int(now_ms) - int(oldest_ms)) / 1000 if int(oldest_ms) else None
@@ -372,7 +327,17 @@ class FencedQueue:
                 place = Place.ABSENT  # a state record without a set: only mid-script, never between scripts
             reason = _reason_of(reasons[i]) if place is Place.DEAD else ""
             found[message_id] = MessageState(
-                self.name, message_id, place, state.token, state.deliveries, score, now_ms, reason
+                self.name,
+                message_id,
+                place,
+                state.token,
+                state.deliveries,
+                score,
+                now_ms,
+                reason,
+                state.claim,
+                state.charged,
+                state.interrupted,
             )
         return found
 

@@ -121,6 +121,21 @@ class ReclaimResult:
     dead_lettered: dict[str, str] = field(default_factory=dict)  # message id -> reason
 
 
+@dataclass(frozen=True)
+class ConsumerRecord:
+    """A live consumer as its lease keeper last reported it (ages measured by Redis server time)."""
+
+    consumer_id: str
+    name: str
+    hostname: str
+    pid: int
+    queues: tuple[str, ...]
+    held: int
+    held_ids: tuple[str, ...]
+    seen_s_ago: float
+    extended_s_ago: float | None
+
+
 class Place(enum.Enum):
     """Where the broker holds a message."""
 
@@ -143,6 +158,16 @@ class MessageState:
     score_ms: int | None = None  # lease deadline, due time or dead-lettered time (server ms)
     server_now_ms: int = 0
     reason: str = ""
+    claim: str = ""
+    charged: int = 0
+    interrupted: int = 0
+
+    @property
+    def delivery(self) -> Delivery | None:
+        """The current delivery of a leased message (what an operator's compare-and-set presents)."""
+        if self.place is not Place.LEASED:
+            return None
+        return Delivery(self.queue, self.message_id, self.token, self.deliveries, self.claim)
 
     @property
     def in_broker(self) -> bool:
@@ -180,20 +205,31 @@ class MessageState:
 
 @dataclass(frozen=True)
 class StoredState:
-    """A message's record in the queue's ``state`` hash (see :mod:`broker_ext.keys`)."""
+    """A message's record in the queue's ``state`` hash (its fields: ``lua/include/state.lua``)."""
 
     token: int
     deliveries: int
+    charged: int
+    interrupted: int
     priority: int
     queued_ms: int
+    first_deadline_ms: int = 0
+    claim: str = ""
 
     @classmethod
     def parse(cls, text: bytes | str | None) -> StoredState | None:
-        """The record, or ``None`` when there is none or it is not in the stored format."""
+        """The record, or ``None`` when there is none or it is not one (older records parse too)."""
         if text is None:
             return None
         parts = (text.decode() if isinstance(text, bytes) else text).split("|")
-        if len(parts) != 4 or not all(part.isdigit() for part in parts):
-            return None
-        token, deliveries, priority, queued = (int(part) for part in parts)
-        return cls(token, deliveries, priority, queued)
+        if (
+            len(parts) == 8
+            and all(part.isdigit() for part in parts[:7])
+            and (parts[7].isalnum() or not parts[7])
+        ):
+            token, deliveries, charged, interrupted, priority, queued, deadline = (int(p) for p in parts[:7])
+            return cls(token, deliveries, charged, interrupted, priority, queued, deadline, parts[7])
+        if len(parts) == 4 and all(part.isdigit() for part in parts):
+            token, deliveries, priority, queued = (int(p) for p in parts)
+            return cls(token, deliveries, deliveries, 0, priority, queued)
+        return None

@@ -3,7 +3,13 @@
 One file per atomic operation; :func:`register` hands each to
 ``client.register_script()``, whose ``Script`` objects send ``EVALSHA`` and
 reload the script on ``NOSCRIPT`` (after a restart, a failover or a
-``SCRIPT FLUSH``).
+``SCRIPT FLUSH``). A script takes the helpers it uses from ``lua/include/``
+with a ``--- @include "name"`` line (BullMQ's convention); :func:`source`
+replaces that line by the helper, folded onto that one line, so the line
+numbers Redis reports in an error are the script file's own.
+:data:`SCRIPT_KEYS` declares each script's KEYS by role, in order: the one
+place :class:`~broker_ext.queue.FencedQueue` builds key lists from, and
+tested against each script's header.
 
 Several calls can share one round trip (:func:`run_calls`): acks travel with
 the next claim, a batch publish sends one call per queue. redis-py's own
@@ -18,7 +24,8 @@ Redis errors are translated here, at the boundary, into
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -30,18 +37,36 @@ from redis.commands.core import Script
 from broker_ext.errors import RedisFull, RedisUnavailable, ScriptRefused
 
 LUA_DIR = Path(__file__).with_name("lua")
-SCRIPT_NAMES = (
-    "publish",
-    "claim",
-    "ack",
-    "extend",
-    "requeue",
-    "dead_letter",
-    "reclaim",
-    "revive",
-    "purge",
-    "queue_stats",
-)
+#: Each script's KEYS in order, by role: a :class:`~broker_ext.keys.QueueKeys` attribute, or a
+#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last).
+SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
+    "publish": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "dedups", "dedup"),
+    "claim": (
+        "ready",
+        "delayed",
+        "leases",
+        "bodies",
+        "state",
+        "seq",
+        "stats",
+        "request",
+        "dead",
+        "reasons",
+        "signal",
+        "reclaims",
+    ),
+    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "stats"),
+    "extend": ("leases", "state", "ready", "delayed"),
+    "requeue": ("leases", "state", "ready", "delayed", "seq", "signal", "stats", "dead", "reasons"),
+    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "stats"),
+    "reclaim": ("leases", "state", "ready", "seq", "signal", "stats", "dead", "reasons", "reclaims"),
+    "revive": ("dead", "reasons", "state", "ready", "seq", "signal", "stats", "leases", "delayed"),
+    "purge": ("ready", "bodies", "state", "stats"),
+    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats"),
+    "report_consumer": ("consumers",),
+}
+SCRIPT_NAMES = tuple(SCRIPT_KEYS)
+INCLUDE = re.compile(r'^--- @include "(?P<name>\w+)"$', re.MULTILINE)
 
 #: What Redis answers while a failover, a replica promotion or a moving slot is under way
 #: (after redis-py's own retries): the queue is unavailable for now, not broken.
@@ -66,13 +91,35 @@ def is_transient(exc: Exception) -> bool:
 
 @cache
 def source(name: str) -> str:
-    """The text sent to Redis, read once per process: ``lua/<name>.lua`` with the shared helpers.
+    """The text sent to Redis, read once per process: ``lua/<name>.lua`` with its includes in place."""
+    return _with_includes((LUA_DIR / f"{name}.lua").read_text(), set())
 
-    ``lua/include/common.lua`` (``check_type``, ``parse_state``) goes right after
-    the script's shebang line, which Redis requires to stay first.
+
+def _with_includes(text: str, included: set[str]) -> str:
+    def inline(match: re.Match) -> str:
+        helper = match["name"]
+        if helper in included:
+            return ""  # Already defined above: a Lua chunk needs each local function once.
+        included.add(helper)
+        body = _with_includes((LUA_DIR / "include" / f"{helper}.lua").read_text(), included)
+        return " ".join(_code_lines(helper, body))
+
+    return INCLUDE.sub(inline, text)
+
+
+def _code_lines(helper: str, text: str) -> Iterator[str]:
+    """A helper's code lines without its comments, to fold onto the one line of its ``@include``.
+
+    Helpers keep comments on lines of their own, and no line of code starts
+    with ``(`` (folded onto one line it would call the previous expression).
     """
-    shebang, _, body = (LUA_DIR / f"{name}.lua").read_text().partition("\n")
-    return f"{shebang}\n{(LUA_DIR / 'include' / 'common.lua').read_text()}\n{body}"
+    for line in text.splitlines():
+        code = line.strip()
+        if not code or code.startswith("--"):
+            continue
+        if code.startswith("(") or "--" in code:
+            raise ValueError(f"lua/include/{helper}.lua: a code line starts with '(' or holds '--': {line!r}")
+        yield code
 
 
 @dataclass(frozen=True)
@@ -89,6 +136,7 @@ class Scripts:
     revive: Script
     purge: Script
     queue_stats: Script
+    report_consumer: Script
 
 
 def register(client) -> Scripts:

@@ -14,6 +14,10 @@ Two behaviours of Celery's own consumer fight the transport's guarantees:
   connection) and their late acks still reach Redis; only the messages that
   never started are given back.
 
+It also names this process's consumers after the Celery node (``w1@host``) in
+the registry the lease keepers write, so the admin's Workers view and the
+delivery log speak of the same worker.
+
 Everything else is Celery's consumer unchanged.
 """
 
@@ -24,6 +28,7 @@ import logging
 from celery.worker import state
 from celery.worker.consumer import Consumer as CeleryConsumer
 
+from broker_ext.consumers import set_process_name
 from broker_ext.qos import FencedQoS
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,10 @@ def _note_reason(message, reason: str) -> None:
 
 class Consumer(CeleryConsumer):
     """Celery's consumer; bad messages are dead-lettered with a reason, running tasks survive a reconnect."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        set_process_name(self.hostname)
 
     def on_decode_error(self, message, exc) -> None:
         if _fenced_qos(message) is None:

@@ -5,60 +5,76 @@ dead_letter: move messages to the queue's dead-letter set, with a reason.
 For reject(requeue=False), a body that cannot be decoded, an unknown task, an
 oversized payload. The body and state are kept so an operator can inspect and
 revive the message; the token is bumped so the former holder is fenced off.
-A token of "*" skips the fencing check (operator action from the admin).
+A token and claim of "*" skip the fencing check (an operator's action).
 
-KEYS[1] leases  KEYS[2] state  KEYS[3] ready  KEYS[4] delayed
-KEYS[5] dead    KEYS[6] reasons  KEYS[7] stats
+KEYS[1] leases   zset
+KEYS[2] state    hash
+KEYS[3] ready    zset
+KEYS[4] delayed  zset
+KEYS[5] dead     zset
+KEYS[6] reasons  hash
+KEYS[7] stats    hash
 
 ARGV[1] reason (text)
-ARGV[2..] pairs: id, token (or "*")
+ARGV[2] queue ttl ms (0: the queue does not expire)
+ARGV[3..] triples: id, token, claim (or "*", "*")
 
-Reply: one integer per pair:
-   5 DEAD_LETTERED  moved to the dead-letter set
+Reply: one integer per triple:
+   5 DEAD_LETTERED  in the dead-letter set (now, or by a call before: a resent call)
   -1 NOT_FOUND      no such message
-  -2 STALE          a newer delivery exists: nothing written
+  -2 STALE          another delivery is the current one: nothing written
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
-
-if #KEYS ~= 7 or #ARGV < 3 or #ARGV % 2 ~= 1 then
-  error({err = 'FENCED BADARG dead_letter needs 7 keys, a reason and id/token pairs'})
+--- @include "check_types"
+--- @include "arg_int"
+--- @include "server_time"
+--- @include "state"
+--- @include "set_dead"
+local leases, state, ready, delayed, dead, reasons, stats =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+if #KEYS ~= 7 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
+  error({err = 'FENCED BADARG dead_letter needs 7 keys, a reason, a ttl and id/token/claim triples'})
 end
-local types = {'zset', 'hash', 'zset', 'zset', 'zset', 'hash', 'hash'}
-for i = 1, 7 do check_type(KEYS[i], types[i]) end
+local reason = ARGV[1]
+local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
+check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {dead, 'zset'},
+             {reasons, 'hash'}, {stats, 'hash'}})
 
 -- Read and check every message before the first write.
-local parsed = {}
-for i = 2, #ARGV, 2 do
-  local st = redis.call('HGET', KEYS[2], ARGV[i])
-  if st then
-    local current, deliveries, rest = string.match(st, '^(%d+)|(%d+)(|%d|%d+)$')
-    if not current then error({err = 'FENCED CORRUPT ' .. ARGV[i]}) end
-    parsed[i] = {token = current, deliveries = tonumber(deliveries), rest = '|' .. deliveries .. rest}
-  end
+local found = {}
+for i = 3, #ARGV, 3 do
+  local raw = redis.call('HGET', state, ARGV[i])
+  found[i] = raw and parse_state(raw) or false
+  if raw and not found[i] then error({err = 'FENCED CORRUPT ' .. ARGV[i]}) end
 end
 
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local replies, dead = {}, 0
-for i = 2, #ARGV, 2 do
-  local id, token = ARGV[i], ARGV[i + 1]
-  local state = parsed[i]
-  if not state then
+local now_ms = server_time()
+local replies, moved = {}, 0
+for i = 3, #ARGV, 3 do
+  local id, token, claim = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local s = found[i]
+  if not s then
     replies[#replies + 1] = -1
-  elseif redis.call('ZSCORE', KEYS[5], id) then
-    replies[#replies + 1] = 5  -- already dead-lettered (a resent call): nothing to do
-  elseif token ~= '*' and state.token ~= token then
+  elseif redis.call('ZSCORE', dead, id) then
+    replies[#replies + 1] = 5
+  elseif token ~= '*' and (string.format('%.0f', s.token) ~= token or s.claim ~= claim) then
     replies[#replies + 1] = -2
   else
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('ZREM', KEYS[3], id)
-    redis.call('ZREM', KEYS[4], id)
-    redis.call('ZADD', KEYS[5], now_ms, id)
-    redis.call('HSET', KEYS[2], id, string.format('%.0f', tonumber(state.token) + 1) .. state.rest)
-    redis.call('HSET', KEYS[6], id, cjson.encode({reason = ARGV[1], at_ms = now_ms, deliveries = state.deliveries}))
+    redis.call('ZREM', leases, id)
+    redis.call('ZREM', ready, id)
+    redis.call('ZREM', delayed, id)
+    s.token = s.token + 1
+    redis.call('HSET', state, id, format_state(s))
+    set_dead(dead, reasons, id, now_ms, reason, s.deliveries)
     replies[#replies + 1] = 5
-    dead = dead + 1
+    moved = moved + 1
   end
 end
-if dead > 0 then redis.call('HINCRBY', KEYS[7], 'dead_lettered', dead) end
+if moved > 0 then
+  redis.call('HINCRBY', stats, 'dead_lettered', moved)
+  if ttl > 0 then
+    redis.call('PEXPIRE', dead, ttl)
+    redis.call('PEXPIRE', reasons, ttl)
+  end
+end
 return replies

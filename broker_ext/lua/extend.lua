@@ -2,44 +2,56 @@
 --[[
 extend: push the lease deadlines of live deliveries to server time + lease.
 
-Only a current token extends. A delivery whose lease had expired and that went
-back to ready (or delayed) but was not claimed again is still current: its
-holder is alive, so extend takes it back under lease rather than let it run
-twice.
+Only a current delivery (its token and claim are the message's) extends. A
+delivery whose lease had expired and that went back to ready (or delayed) but
+was not claimed again is still current: its holder is alive, so extend takes
+it back under lease rather than let it run twice.
 
-KEYS[1] leases  KEYS[2] state  KEYS[3] ready  KEYS[4] delayed
+KEYS[1] leases   zset
+KEYS[2] state    hash
+KEYS[3] ready    zset
+KEYS[4] delayed  zset
 
 ARGV[1] lease ms
-ARGV[2..] pairs: id, token
+ARGV[2..] triples: id, token, claim
 
-Reply: one integer per pair:
+Reply: one integer per triple:
    1 OK         lease extended (or taken back)
   -1 NOT_FOUND  no such message (acked or dead-lettered)
-  -2 STALE      a newer delivery exists: nothing written
-Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
+  -2 STALE      another delivery is the current one: nothing written
+Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
-
-local lease = tonumber(ARGV[1])
-if #KEYS ~= 4 or not lease or lease <= 0 or #ARGV < 3 or #ARGV % 2 ~= 1 then
-  error({err = 'FENCED BADARG extend needs 4 keys, a lease > 0 and id/token pairs'})
+--- @include "check_types"
+--- @include "arg_int"
+--- @include "server_time"
+--- @include "state"
+local leases, state, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+if #KEYS ~= 4 or #ARGV < 4 or (#ARGV - 1) % 3 ~= 0 then
+  error({err = 'FENCED BADARG extend needs 4 keys, a lease and id/token/claim triples'})
 end
-local types = {'zset', 'hash', 'zset', 'zset'}
-for i = 1, 4 do check_type(KEYS[i], types[i]) end
+local lease = arg_int(ARGV[1], 'lease ms', 1, 1e12)
+check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}})
 
-local now = redis.call('TIME')
-local deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + lease
+local found = {}
+for i = 2, #ARGV, 3 do
+  local raw = redis.call('HGET', state, ARGV[i])
+  found[i] = raw and parse_state(raw) or false
+  if raw and not found[i] then error({err = 'FENCED CORRUPT ' .. ARGV[i]}) end
+end
+
+local now_ms = server_time()
 local replies = {}
-for i = 2, #ARGV, 2 do
-  local id, token = ARGV[i], ARGV[i + 1]
-  local st = redis.call('HGET', KEYS[2], id)
-  if not st then
+for i = 2, #ARGV, 3 do
+  local id, token, claim = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local s = found[i]
+  if not s then
     replies[#replies + 1] = -1
-  elseif string.match(st, '^(%d+)|') ~= token then
+  elseif string.format('%.0f', s.token) ~= token or s.claim ~= claim then
     replies[#replies + 1] = -2
   else
-    redis.call('ZREM', KEYS[3], id)
-    redis.call('ZREM', KEYS[4], id)
-    redis.call('ZADD', KEYS[1], deadline, id)
+    redis.call('ZREM', ready, id)
+    redis.call('ZREM', delayed, id)
+    redis.call('ZADD', leases, now_ms + lease, id)
     replies[#replies + 1] = 1
   end
 end

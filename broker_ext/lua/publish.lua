@@ -5,10 +5,11 @@ publish: store one or more messages and make each ready (or delayed), atomically
 Idempotent on the message id: an id that is stored, or was acked within the
 done window, is not stored again and is reported DUPLICATE. A message with a
 dedup key whose window is still open is reported DEDUPLICATED (the first
-message keeps the key). Validates every key type before the first write.
+message keeps the key). Validates every argument and key type before the
+first write. No flags: at maxmemory Redis refuses it before it starts.
 
 KEYS[1]  bodies   hash   id -> payload
-KEYS[2]  state    hash   id -> "token|deliveries|priority|queued_ms"
+KEYS[2]  state    hash   id -> state record (see lua/include/state.lua)
 KEYS[3]  ready    zset   id -> priority * 1e14 + seq
 KEYS[4]  delayed  zset   id -> due ms (server time)
 KEYS[5]  seq      string per-queue sequence
@@ -16,7 +17,7 @@ KEYS[6]  done     zset   recently acked ids
 KEYS[7]  signal   list   consumer wake-up tokens
 KEYS[8]  stats    hash   counters
 KEYS[9]  dedups   list   recent deduplicated publishes (capped)
-KEYS[9+i] dedup key of message i (a placeholder key when it has none)
+KEYS[9+i] dedup   string dedup key of message i (a placeholder key when it has none)
 
 ARGV[1]  signal cap (max length of the signal list)
 ARGV[2]  queue ttl ms (0: the queue does not expire): every key of the queue expires then,
@@ -30,70 +31,76 @@ Reply: one integer per message:
    4 DEDUPLICATED  dedup key still held by another message: nothing written
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
-
+--- @include "check_types"
+--- @include "arg_int"
+--- @include "server_time"
+--- @include "ready"
+local bodies, state, ready, delayed, seq, done, signal, stats, dedups =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local count = (#ARGV - 2) / 5
 if count < 1 or count ~= math.floor(count) or #KEYS ~= 9 + count then
   error({err = 'FENCED BADARG publish needs 9 + n keys and 2 + 5n arguments'})
 end
-local signal_cap = tonumber(ARGV[1])
-local ttl = tonumber(ARGV[2])
-if not signal_cap or not ttl then
-  error({err = 'FENCED BADARG signal cap and ttl must be numbers'})
-end
-local types = {'hash', 'hash', 'zset', 'zset', 'string', 'zset', 'list', 'hash', 'list'}
-for i = 1, 9 do check_type(KEYS[i], types[i]) end
+local signal_cap = arg_int(ARGV[1], 'signal cap', 1, 1e6)
+local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
+local types = {{bodies, 'hash'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {seq, 'string'},
+               {done, 'zset'}, {signal, 'list'}, {stats, 'hash'}, {dedups, 'list'}}
+local messages = {}
 for i = 1, count do
   local base = 3 + 5 * (i - 1)
-  local priority = tonumber(ARGV[base + 2])
-  if ARGV[base] == '' or string.find(ARGV[base], '\n', 1, true) or not priority or priority < 0 or priority > 9
-      or priority ~= math.floor(priority) or not tonumber(ARGV[base + 3]) or not tonumber(ARGV[base + 4]) then
-    error({err = 'FENCED BADARG message ' .. i .. ': id (no newline), integer priority 0-9, delay and window'})
+  local id = ARGV[base]
+  if id == '' or string.find(id, '\n', 1, true) then
+    error({err = 'FENCED BADARG message ' .. i .. ': the id must be non-empty and hold no newline'})
   end
-  if tonumber(ARGV[base + 4]) > 0 then check_type(KEYS[9 + i], 'string') end
+  messages[i] = {
+    id = id, payload = ARGV[base + 1],
+    priority = arg_int(ARGV[base + 2], 'priority of message ' .. i, 0, 9),
+    delay = arg_int(ARGV[base + 3], 'delay ms of message ' .. i, 0, 1e12),
+    window = arg_int(ARGV[base + 4], 'dedup window ms of message ' .. i, 0, 1e12),
+    dedup = KEYS[9 + i],
+  }
+  if messages[i].window > 0 then types[#types + 1] = {messages[i].dedup, 'string'} end
 end
+check_types(types)
 
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local now_ms = server_time()
 local replies = {}
 local stored, duplicates, deduplicated = 0, 0, 0
-for i = 1, count do
-  local base = 3 + 5 * (i - 1)
-  local id, payload = ARGV[base], ARGV[base + 1]
-  local priority = tonumber(ARGV[base + 2])
-  local delay, window = tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
-  if redis.call('HEXISTS', KEYS[2], id) == 1 or redis.call('ZSCORE', KEYS[6], id) then
+for i, m in ipairs(messages) do
+  if redis.call('HEXISTS', state, m.id) == 1 or redis.call('ZSCORE', done, m.id) then
     replies[i] = 3
     duplicates = duplicates + 1
-  elseif window > 0 and redis.call('EXISTS', KEYS[9 + i]) == 1 then
+  elseif m.window > 0 and redis.call('EXISTS', m.dedup) == 1 then
     replies[i] = 4
     deduplicated = deduplicated + 1
-    redis.call('LPUSH', KEYS[9], cjson.encode({
-      key = KEYS[9 + i], id = id, kept = redis.call('GET', KEYS[9 + i]), at_ms = now_ms}))
-    redis.call('LTRIM', KEYS[9], 0, 999)
+    redis.call('LPUSH', dedups, cjson.encode({
+      key = m.dedup, id = m.id, kept = redis.call('GET', m.dedup), at_ms = now_ms}))
+    redis.call('LTRIM', dedups, 0, 999)
   else
-    redis.call('HSET', KEYS[1], id, payload)
-    redis.call('HSET', KEYS[2], id, '0|0|' .. priority .. '|' .. now_ms)
-    if delay > 0 then
-      redis.call('ZADD', KEYS[4], now_ms + delay, id)
+    redis.call('HSET', bodies, m.id, m.payload)
+    redis.call('HSET', state, m.id, '0|0|0|0|' .. m.priority .. '|' .. now_ms .. '|0|')
+    if m.delay > 0 then
+      redis.call('ZADD', delayed, now_ms + m.delay, m.id)
     else
-      local seq = redis.call('INCR', KEYS[5])
-      redis.call('ZADD', KEYS[3], priority * 1e14 + seq, id)
-      redis.call('LPUSH', KEYS[7], '1')
+      make_ready(ready, seq, m.id, m.priority, false)
+      redis.call('LPUSH', signal, '1')
     end
-    if window > 0 then
-      redis.call('SET', KEYS[9 + i], id, 'PX', window)
+    if m.window > 0 then
+      redis.call('SET', m.dedup, m.id, 'PX', ttl > 0 and math.min(m.window, ttl) or m.window)
     end
     replies[i] = 1
     stored = stored + 1
   end
 end
 if stored > 0 then
-  redis.call('LTRIM', KEYS[7], 0, signal_cap - 1)
-  redis.call('HINCRBY', KEYS[8], 'published', stored)
+  redis.call('LTRIM', signal, 0, signal_cap - 1)
+  redis.call('HINCRBY', stats, 'published', stored)
   if ttl > 0 then
-    for k = 1, 9 do redis.call('PEXPIRE', KEYS[k], ttl) end
+    for _, key in ipairs({bodies, state, ready, delayed, seq, done, signal, stats, dedups}) do
+      redis.call('PEXPIRE', key, ttl)
+    end
   end
 end
-if duplicates > 0 then redis.call('HINCRBY', KEYS[8], 'duplicate_publishes', duplicates) end
-if deduplicated > 0 then redis.call('HINCRBY', KEYS[8], 'deduplicated_publishes', deduplicated) end
+if duplicates > 0 then redis.call('HINCRBY', stats, 'duplicate_publishes', duplicates) end
+if deduplicated > 0 then redis.call('HINCRBY', stats, 'deduplicated_publishes', deduplicated) end
 return replies

@@ -3,25 +3,28 @@
 purge: delete up to N ready messages (Celery's `purge`); leased, delayed and
 dead messages are left alone.
 
-KEYS[1] ready  KEYS[2] bodies  KEYS[3] state  KEYS[4] stats
+KEYS[1] ready   zset
+KEYS[2] bodies  hash
+KEYS[3] state   hash
+KEYS[4] stats   hash
+
 ARGV[1] limit (messages per call; call again while the reply equals it)
 
 Reply: the number of messages deleted.
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
+--- @include "check_types"
+--- @include "arg_int"
+local ready, bodies, state, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+if #KEYS ~= 4 or #ARGV ~= 1 then error({err = 'FENCED BADARG purge needs 4 keys and a limit'}) end
+local limit = arg_int(ARGV[1], 'limit', 1, 100000)
+check_types({{ready, 'zset'}, {bodies, 'hash'}, {state, 'hash'}, {stats, 'hash'}})
 
-local limit = tonumber(ARGV[1])
-if #KEYS ~= 4 or not limit or limit < 1 then
-  error({err = 'FENCED BADARG purge needs 4 keys and a limit >= 1'})
-end
-local types = {'zset', 'hash', 'hash', 'hash'}
-for i = 1, 4 do check_type(KEYS[i], types[i]) end
-
-local popped = redis.call('ZPOPMIN', KEYS[1], limit)
+local popped = redis.call('ZPOPMIN', ready, limit)
 for i = 1, #popped, 2 do
-  redis.call('HDEL', KEYS[2], popped[i])
-  redis.call('HDEL', KEYS[3], popped[i])
+  redis.call('HDEL', bodies, popped[i])
+  redis.call('HDEL', state, popped[i])
 end
 local purged = #popped / 2
-if purged > 0 then redis.call('HINCRBY', KEYS[4], 'purged', purged) end
+if purged > 0 then redis.call('HINCRBY', stats, 'purged', purged) end
 return purged

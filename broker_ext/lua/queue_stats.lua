@@ -2,33 +2,39 @@
 --[[
 queue_stats: one consistent snapshot of a queue, read-only.
 
-KEYS[1] ready  KEYS[2] delayed  KEYS[3] leases  KEYS[4] dead  KEYS[5] state
-KEYS[6] stats
+KEYS[1] ready    zset
+KEYS[2] delayed  zset
+KEYS[3] leases   zset
+KEYS[4] dead     zset
+KEYS[5] state    hash
+KEYS[6] stats    hash
 
 Reply: {ready, delayed, leased, dead, expired_leases, oldest_ready_ms,
         server_now_ms, {counter name, value, ...}}
 oldest_ready_ms is the publish time of the oldest ready message (0 if none).
 --]]
-
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+--- @include "server_time"
+--- @include "state"
+local ready, delayed, leases, dead, state, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+if #KEYS ~= 6 then error({err = 'FENCED BADARG queue_stats needs 6 keys'}) end
+local now_ms = server_time()
 local oldest = 0
 for priority = 0, 9 do
-  local first = redis.call('ZRANGE', KEYS[1], priority * 1e14 - 5e13, priority * 1e14 + 5e13,
+  local first = redis.call('ZRANGE', ready, priority * 1e14 - 5e13, priority * 1e14 + 5e13,
     'BYSCORE', 'LIMIT', 0, 1)
   if first[1] then
-    local st = redis.call('HGET', KEYS[5], first[1])
-    local queued = st and tonumber(string.match(st, '|(%d+)$'))
+    local s = parse_state(redis.call('HGET', state, first[1]))
+    local queued = s and tonumber(s.queued)
     if queued and (oldest == 0 or queued < oldest) then oldest = queued end
   end
 end
 return {
-  redis.call('ZCARD', KEYS[1]),
-  redis.call('ZCARD', KEYS[2]),
-  redis.call('ZCARD', KEYS[3]),
-  redis.call('ZCARD', KEYS[4]),
-  redis.call('ZCOUNT', KEYS[3], '-inf', now_ms),
+  redis.call('ZCARD', ready),
+  redis.call('ZCARD', delayed),
+  redis.call('ZCARD', leases),
+  redis.call('ZCARD', dead),
+  redis.call('ZCOUNT', leases, '-inf', now_ms),
   oldest,
   now_ms,
-  redis.call('HGETALL', KEYS[6]),
+  redis.call('HGETALL', stats),
 }

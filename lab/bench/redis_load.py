@@ -113,7 +113,7 @@ def fenced_ceilings(run: BenchRun, payload: str, requests: int) -> dict[str, tup
         return queue
 
     def claim_command(queue: FencedQueue) -> list[str]:
-        return evalsha(queue.claim_call(1, request_id=RANDOM))
+        return evalsha(queue.claim_call(1, claim_id=RANDOM))
 
     return {
         "publish": benchmarked(run, requests, queue_of, publish_command),

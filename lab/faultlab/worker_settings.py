@@ -30,19 +30,24 @@ from lab.faultlab import clock
 clock.install_from_environment()
 
 from settings.base import *  # noqa: E402, F403
-from settings.base import CELERY_BROKER_TRANSPORT_OPTIONS  # noqa: E402
+from settings.base import CELERY_BROKER_TRANSPORT_OPTIONS, CELERY_BROKER_URL  # noqa: E402
 
 _lease = float(CELERY_BROKER_TRANSPORT_OPTIONS["lease_timeout"])
 
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     **CELERY_BROKER_TRANSPORT_OPTIONS,
-    "visibility_timeout": _lease,
-    "unacked_restore_interval": min(_lease / 2, 5.0),
-    "unacked_restore_throttle": 1,
     "socket_timeout": float(os.environ.get("LAB_SOCKET_TIMEOUT", "5")),
     "socket_connect_timeout": 5.0,
-    "max_message_size": int(os.environ.get("LAB_MAX_MESSAGE_SIZE", str(16 * 1024 * 1024))),
 }
+if CELERY_BROKER_URL.startswith("redis"):
+    # The stock transport's own names for the lease; fenced:// refuses them (it has lease_timeout).
+    CELERY_BROKER_TRANSPORT_OPTIONS.update(
+        visibility_timeout=_lease, unacked_restore_interval=min(_lease / 2, 5.0), unacked_restore_throttle=1
+    )
+else:
+    CELERY_BROKER_TRANSPORT_OPTIONS["max_message_size"] = int(
+        os.environ.get("LAB_MAX_MESSAGE_SIZE", str(16 * 1024 * 1024))
+    )
 if os.environ.get("LAB_CLUSTER"):
     CELERY_BROKER_TRANSPORT_OPTIONS["cluster"] = True
 if os.environ.get("LAB_MAX_CONNECTIONS"):

@@ -204,8 +204,8 @@ def revive(queue, state: MessageState) -> Reply:
     The token makes it a compare-and-set: a consumer that claimed the message
     after the operator looked keeps it (``STALE``).
     """
-    tokens = {state.message_id: state.token} if state.place is Place.LEASED else None
-    (reply,) = queue.revive([state.message_id], tokens=tokens)
+    seen = {state.message_id: state.delivery} if state.delivery is not None else None
+    (reply,) = queue.revive([state.message_id], seen=seen)
     return reply
 
 

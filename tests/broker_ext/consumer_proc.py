@@ -17,7 +17,8 @@ import broker_ext  # noqa: F401
 
 
 def main(url: str, queue_name: str) -> None:
-    with Connection(url, transport_options={"lease_timeout": 1, "visibility_timeout": 1}) as conn:
+    lease = {"lease_timeout": 1} if url.startswith("fenced") else {"visibility_timeout": 1}
+    with Connection(url, transport_options=lease) as conn:
         got = []
         consumer = Consumer(
             conn.channel(),

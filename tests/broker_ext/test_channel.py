@@ -241,7 +241,7 @@ def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(
             assert drain_until(conn, lambda: len(got) >= 100, seconds=10)
             redis_client.script_flush()
             assert drain_until(conn, lambda: len(got) >= 300, seconds=10)
-            consumer.channel.flush_acks()
+            consumer.channel.qos.flush_acks()
             stats = consumer.channel.fenced_queue("busy").stats()
         assert sorted(body["n"] for body, _ in got) == list(range(300))
         assert (stats.ready, stats.leased) == (0, 0)

@@ -8,7 +8,7 @@ import time
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from broker_ext.errors import ClusterConfigurationError, RedisUnavailable, Reply
+from broker_ext.errors import ConfigurationError, RedisUnavailable, Reply
 from broker_ext.keys import QueueKeys
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
@@ -53,7 +53,7 @@ def test_queues_on_different_nodes_are_published_consumed_and_acked(connect, red
         conn.channel(), queues, callbacks=[lambda b, m: (got.append(b["n"]), m.ack())], prefetch_count=10
     ) as consumer:
         drain_until(conn, lambda: len(got) >= 60, seconds=20)
-        consumer.channel.flush_acks()
+        consumer.channel.qos.flush_acks()
         stats = [consumer.channel.fenced_queue(q.name).stats() for q in queues]
     assert sorted(got) == list(range(60))
     assert [(s.ready, s.leased, s.delayed, s.dead) for s in stats] == [(0, 0, 0, 0)] * len(queues)
@@ -95,7 +95,7 @@ def test_a_moving_slot_pauses_its_queue_then_calls_follow_moved_to_the_new_owner
 
 def test_a_cluster_has_only_database_zero(redis_cluster):
     conn = Connection(f"fenced://127.0.0.1:{redis_cluster.nodes[0].port}/3", transport_options=CLUSTER)
-    with pytest.raises(ClusterConfigurationError, match="only database 0"):
+    with pytest.raises(ConfigurationError, match="only database 0"):
         conn.channel().fenced_client  # noqa: B018
     conn.release()
 

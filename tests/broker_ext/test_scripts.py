@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-import time
+import re
+from dataclasses import replace
 
 import pytest
 import redis
 
-from broker_ext.errors import PublishRefused, Reply, ScriptRefused
+from broker_ext.errors import ConfigurationError, PublishRefused, Reply, ScriptRefused
 from broker_ext.keys import QueueKeys
 from broker_ext.queue import FencedQueue, QueueOptions
 from broker_ext.records import Delivery, OutgoingMessage
-from broker_ext.scripts import SCRIPT_NAMES, source
+from broker_ext.scripts import LUA_DIR, SCRIPT_KEYS, SCRIPT_NAMES, source
+from lab.processes import wait_for
 
 HASH_KEYS = {"bodies", "state", "reasons", "stats"}
 
@@ -23,7 +25,24 @@ def message(message_id: str, body: str = "{}", **kwargs) -> OutgoingMessage:
 
 @pytest.fixture
 def queue(redis_client) -> FencedQueue:
-    return FencedQueue(redis_client, "jobs", options=QueueOptions(lease_ms=300, max_deliveries=3))
+    """A queue whose leases lapse soon (200 ms): tests that need an expiry wait for it, bounded."""
+    return FencedQueue(redis_client, "jobs", options=QueueOptions(lease_ms=200, max_deliveries=3))
+
+
+@pytest.fixture
+def patient(redis_client) -> FencedQueue:
+    """The same queue with a lease no test outlives (30 s)."""
+    return FencedQueue(redis_client, "jobs", options=QueueOptions(lease_ms=30_000, max_deliveries=3))
+
+
+def wait_expired(queue: FencedQueue, count: int = 1) -> None:
+    """Until ``count`` leases have passed their deadline by Redis server time (bounded)."""
+    assert wait_for(lambda: len(queue.expired_leases(100)) >= count, timeout=10, interval=0.02)
+
+
+def wait_due(queue: FencedQueue, count: int = 1) -> None:
+    """Until ``count`` delayed messages are due by Redis server time (bounded)."""
+    assert wait_for(lambda: len(queue.overdue_delayed(0, 100)) >= count, timeout=10, interval=0.02)
 
 
 def snapshot(client: redis.Redis) -> dict:
@@ -60,7 +79,7 @@ def test_dedup_key_deduplicates_logically_equal_publishes_within_its_window(queu
     assert queue.publish([second]) == [Reply.DEDUPLICATED]
     logged = json.loads(redis_client.lindex(queue.keys.dedups, 0))
     assert logged["id"] == "b" and logged["kept"] == "a"
-    time.sleep(0.3)
+    assert wait_for(lambda: not redis_client.exists(queue.keys.dedup("charge:1")), timeout=10, interval=0.02)
     assert queue.publish([second]) == [Reply.OK]
 
 
@@ -93,8 +112,8 @@ def test_claim_batch_takes_up_to_count_in_one_call(queue):
 
 def test_a_resent_claim_returns_the_first_answer_instead_of_leasing_more(queue):
     queue.publish([message("a"), message("b"), message("c")])
-    first = queue.claim(2, request_id="req-1")
-    again = queue.claim(2, request_id="req-1")
+    first = queue.claim(2, claim_id="req1")
+    again = queue.claim(2, claim_id="req1")
     assert [c.delivery for c in again] == [c.delivery for c in first]
     assert queue.stats().ready == 1
 
@@ -131,46 +150,94 @@ def test_a_resent_ack_is_already_acked_and_an_unknown_id_is_not_found(queue):
     assert queue.ack([Delivery("jobs", "nope", 1)]) == [Reply.NOT_FOUND]
 
 
+def test_a_late_ack_of_another_delivery_after_the_message_was_acked_is_stale(queue):
+    """Only the delivery that acked gets ALREADY_ACKED; an older one's late ack is STALE."""
+    queue.publish([message("a")])
+    (old,) = queue.claim()
+    queue.requeue([old.delivery], counted=False)
+    (new,) = queue.claim()
+    assert queue.ack([new.delivery]) == [Reply.OK]
+    assert queue.ack([old.delivery]) == [Reply.STALE]
+    assert queue.ack([new.delivery]) == [Reply.ALREADY_ACKED]
+
+
+def test_a_delivery_is_its_token_and_claim_so_an_equal_token_of_another_claim_is_stale(queue, redis_client):
+    """After a failover that lost writes, a token can be handed out twice: the claim id tells them apart."""
+    queue.publish([message("a")])
+    (live,) = queue.claim(1, claim_id="live")
+    twin = replace(live.delivery, claim="lost")  # the same token, from a claim the new master forgot
+    before = snapshot(redis_client)
+    assert queue.ack([twin]) == [Reply.STALE]
+    assert queue.extend([twin]) == [Reply.STALE]
+    assert queue.requeue([twin]) == [Reply.STALE]
+    assert queue.dead_letter([twin], "x") == [Reply.STALE]
+    assert queue.revive(["a"], seen={"a": twin}) == [Reply.STALE]
+    assert snapshot(redis_client) == before
+    assert queue.extend([live.delivery]) == [Reply.OK]
+
+
 def test_ack_after_reclaim_but_before_redelivery_finishes_the_message(queue):
     """The slow holder's token is still current: its ack must remove the reclaimed copy (S4)."""
     queue.publish([message("a")])
     (claimed,) = queue.claim()
-    time.sleep(0.35)
+    wait_expired(queue)
     assert queue.reclaim_all() == (1, 0)
     assert queue.ack([claimed.delivery]) == [Reply.OK]
     assert queue.claim() == []
 
 
-def test_extend_keeps_a_lease_alive_past_its_deadline(queue):
-    queue.publish([message("a")])
-    (claimed,) = queue.claim()
-    for _ in range(4):
-        time.sleep(0.15)
-        assert queue.extend([claimed.delivery]) == [Reply.OK]
-    assert queue.reclaim_all() == (0, 0)
+def test_extend_pushes_the_lease_deadline_by_server_time(patient):
+    patient.publish([message("a")])
+    (claimed,) = patient.claim()
+    first = patient.locate(["a"])["a"].score_ms
+    assert wait_for(lambda: patient.server_time_ms() > first - 30_000, timeout=10, interval=0.01)
+    assert patient.extend([claimed.delivery]) == [Reply.OK]
+    assert patient.locate(["a"])["a"].score_ms > first
+    assert patient.reclaim_all() == (0, 0)
 
 
 def test_extend_takes_back_a_reclaimed_message_nobody_claimed_yet(queue):
     queue.publish([message("a")])
     (claimed,) = queue.claim()
-    time.sleep(0.35)
+    wait_expired(queue)
     queue.reclaim()
     assert queue.extend([claimed.delivery]) == [Reply.OK]
     assert queue.stats().ready == 0 and queue.stats().leased == 1
 
 
-def test_expired_leases_are_reclaimed_and_dead_lettered_past_max_deliveries(queue):
+def test_expiries_of_deliveries_never_extended_are_charged_up_to_max_deliveries(queue):
+    """A worker that dies before extending (a poison message kills it at once) spends a delivery."""
     queue.publish([message("a")])
     for delivery in range(1, 4):
         (claimed,) = queue.claim()
         assert claimed.delivery.deliveries == delivery
-        time.sleep(0.35)
+        wait_expired(queue)
         expected = (1, 0) if delivery < 3 else (0, 1)
         assert queue.reclaim_all() == expected
     (letter,) = queue.dead_letters()
     assert letter.message_id == "a" and letter.deliveries == 3
-    assert "max_deliveries 3" in letter.reason
+    assert "never extended it" in letter.reason and "max_deliveries 3" in letter.reason
     assert queue.stats().dead == 1 and queue.claim() == []
+
+
+def test_expiries_of_deliveries_a_live_worker_had_extended_are_interruptions_not_charges(redis_client):
+    """A long task whose worker is killed mid-body (it was extending) does not run out of deliveries."""
+    queue = FencedQueue(
+        redis_client, "jobs", options=QueueOptions(lease_ms=200, max_deliveries=2, max_interruptions=4)
+    )
+    queue.publish([message("long")])
+    for delivery in range(1, 5):
+        (claimed,) = queue.claim()
+        claimed_at = queue.locate(["long"])["long"].score_ms - 200
+        assert wait_for(lambda at=claimed_at: queue.server_time_ms() > at, timeout=10, interval=0.005)
+        assert queue.extend([claimed.delivery]) == [Reply.OK]  # pushes the lease past the claim's own
+        wait_expired(queue)
+        assert queue.reclaim_all() == ((1, 0) if delivery < 4 else (0, 1)), delivery
+        state = queue.locate(["long"])["long"]
+        assert (state.charged, state.interrupted) == (0, delivery)
+    (letter,) = queue.dead_letters()
+    assert "interrupted 4 times (max_interruptions 4)" in letter.reason
+    assert queue.stats().counters["interrupted"] == 4
 
 
 def test_counted_requeue_dead_letters_past_max_deliveries_and_unspent_requeue_does_not(queue):
@@ -194,20 +261,20 @@ def test_requeue_token_floor_makes_the_next_delivery_outrank_it(queue):
     assert again.delivery.token > floor
 
 
-def test_requeue_with_delay_waits_in_the_delayed_set(queue):
-    queue.publish([message("a")])
-    (claimed,) = queue.claim()
-    queue.requeue([claimed.delivery], delay_ms=300)
-    assert queue.claim() == [] and queue.stats().delayed == 1
-    time.sleep(0.35)
-    assert [c.delivery.message_id for c in queue.claim()] == ["a"]
+def test_requeue_with_delay_waits_in_the_delayed_set(patient):
+    patient.publish([message("a")])
+    (claimed,) = patient.claim()
+    patient.requeue([claimed.delivery], delay_ms=300)
+    assert patient.claim() == [] and patient.stats().delayed == 1
+    wait_due(patient)
+    assert [c.delivery.message_id for c in patient.claim()] == ["a"]
 
 
-def test_delayed_publish_becomes_ready_when_due_by_server_time(queue):
-    queue.publish([message("later", delay_ms=300), message("now")])
-    assert [c.delivery.message_id for c in queue.claim(5)] == ["now"]
-    time.sleep(0.35)
-    assert [c.delivery.message_id for c in queue.claim(5)] == ["later"]
+def test_delayed_publish_becomes_ready_when_due_by_server_time(patient):
+    patient.publish([message("later", delay_ms=300), message("now")])
+    assert [c.delivery.message_id for c in patient.claim(5)] == ["now"]
+    wait_due(patient)
+    assert [c.delivery.message_id for c in patient.claim(5)] == ["later"]
 
 
 def test_dead_letter_keeps_the_body_and_revive_brings_it_back_with_a_higher_token(queue):
@@ -218,8 +285,9 @@ def test_dead_letter_keeps_the_body_and_revive_brings_it_back_with_a_higher_toke
     assert letter.reason == "malformed body" and letter.payload == b'{"k": 1}'
     assert queue.ack([claimed.delivery]) == [Reply.STALE]
     assert queue.revive(["a", "missing"]) == [Reply.OK, Reply.NOT_FOUND]
+    assert queue.locate(["a"])["a"].charged == 0  # revived with fresh deliveries
     (again,) = queue.claim()
-    assert again.delivery.token > claimed.delivery.token and again.delivery.deliveries == 1
+    assert again.delivery.token > claimed.delivery.token and again.delivery.deliveries == 2
 
 
 def test_resent_requeue_and_dead_letter_calls_change_nothing_more(queue, redis_client):
@@ -248,7 +316,7 @@ def test_purge_deletes_ready_messages_only(queue):
 
 def test_stats_report_depths_and_oldest_ready_age(queue):
     queue.publish([message("a")])
-    time.sleep(0.2)
+    assert wait_for(lambda: queue.stats().oldest_ready_age_s >= 0.15, timeout=10, interval=0.02)
     queue.publish([message("b", priority=3)])
     stats = queue.stats()
     assert stats.ready == 2 and stats.oldest_ready_age_s >= 0.15
@@ -341,12 +409,11 @@ def test_all_keys_of_a_queue_share_one_cluster_slot_even_with_braces_in_the_name
 def test_a_resent_claim_never_returns_a_delivery_someone_else_got_since(queue):
     """The first claim's lease expired and another consumer claimed the message: the resend gets nothing."""
     queue.publish([message("a")])
-    (first,) = queue.claim(1, request_id="req-a")
-    time.sleep(0.35)
-    queue.reclaim()
-    (second,) = queue.claim(1, request_id="req-b")
+    (first,) = queue.claim(1, claim_id="reqa")
+    wait_expired(queue)
+    (second,) = queue.claim(1, claim_id="reqb")  # the claim reclaims the expired lease first
     assert second.delivery.token > first.delivery.token
-    assert queue.claim(1, request_id="req-a") == []
+    assert queue.claim(1, claim_id="reqa") == []
 
 
 def test_giving_a_delivery_back_ends_it_so_its_late_ack_and_extend_are_stale(queue):
@@ -362,13 +429,13 @@ def test_a_reclaimed_delivery_given_back_still_gets_its_token_floor_and_delay(qu
     """A deferral whose lease had lapsed: the floor and the delay apply, and its late ack is stale."""
     queue.publish([message("a")])
     (claimed,) = queue.claim()
-    time.sleep(0.35)
+    wait_expired(queue)
     assert queue.reclaim_all() == (1, 0)
     floor = claimed.delivery.token + 1_000_000
     assert queue.requeue([claimed.delivery], counted=False, delay_ms=300, token_floor=floor) == [Reply.OK]
     assert queue.ack([claimed.delivery]) == [Reply.STALE]
     assert queue.claim() == [] and queue.stats().delayed == 1
-    time.sleep(0.35)
+    wait_due(queue)
     (again,) = queue.claim()
     assert again.delivery.token > floor
 
@@ -385,7 +452,7 @@ def test_a_requeue_out_of_deliveries_dead_letters_with_the_reason_it_was_given(q
 
 def test_a_priority_must_be_a_whole_number(queue, redis_client):
     before = snapshot(redis_client)
-    with pytest.raises(ScriptRefused, match="integer priority"):
+    with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
         queue.publish([message("a", priority=5.5)])
     assert snapshot(redis_client) == before
 
@@ -431,8 +498,9 @@ def test_a_resent_revive_never_takes_back_a_message_a_consumer_claimed_since(que
 def test_revive_with_the_token_seen_takes_a_message_from_a_lease_and_fences_its_holder(queue):
     queue.publish([message("a")])
     (stuck,) = queue.claim()
-    assert queue.revive(["a"], tokens={"a": stuck.delivery.token - 1}) == [Reply.STALE]
-    assert queue.revive(["a"], tokens={"a": stuck.delivery.token}) == [Reply.OK]
+    older = replace(stuck.delivery, token=stuck.delivery.token - 1)
+    assert queue.revive(["a"], seen={"a": older}) == [Reply.STALE]
+    assert queue.revive(["a"], seen={"a": stuck.delivery}) == [Reply.OK]
     assert queue.ack([stuck.delivery]) == [Reply.STALE]
     (again,) = queue.claim()
     assert again.delivery.token > stuck.delivery.token
@@ -458,7 +526,94 @@ def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_noth
     redis_client.hset(queue.keys.seq, "not", "a string")
     before = snapshot(redis_client)
     assert queue.reclaim_all() == (0, 0)  # the lease has not expired: nothing to write, nothing checked
-    time.sleep(0.35)
+    wait_expired(queue)
     with pytest.raises(ScriptRefused, match="WRONGTYPE"):
         queue.reclaim()
     assert snapshot(redis_client) == before
+
+
+# -- arguments, includes and key roles ------------------------------------------------------
+
+NOT_NUMBERS = ["nan", "inf", "-inf", "1e400", "1.5", "", "x"]
+
+
+def _call(queue, script: str, args: list, **per_call):
+    return queue.run(queue._call(script, args, list, **per_call))
+
+
+@pytest.mark.parametrize("bad", NOT_NUMBERS)
+@pytest.mark.parametrize(
+    ("script", "args", "position"),
+    [
+        ("publish", [64, 0, "m", "{}", 0, 0, 0], 4),  # the message's priority
+        ("publish", [64, 0, "m", "{}", 0, 0, 0], 5),  # its delay
+        ("publish", [64, 0, "m", "{}", 0, 0, 0], 6),  # its dedup window
+        ("publish", [64, 0, "m", "{}", 0, 0, 0], 1),  # the queue ttl
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 1),  # the lease
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 0),  # the count
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 9),  # the queue ttl
+        ("ack", [60_000, 0, "a", "1", ""], 0),
+        ("extend", [30_000, "a", "1", ""], 0),
+        ("requeue", [5, 1, 0, 0, 64, "", "a", "1", ""], 2),  # the delay
+        ("requeue", [5, 1, 0, 0, 64, "", "a", "1", ""], 3),  # the token floor
+        ("requeue", [5, 1, 0, 0, 64, "", "a", "1", ""], 7),  # the token
+        ("dead_letter", ["why", 0, "a", "1", ""], 1),
+        ("reclaim", [5, 10, 100, 64, 30_000], 4),
+        ("revive", [1, 64, "a", "1", ""], 1),
+        ("purge", [100], 0),
+    ],
+)
+def test_every_numeric_argument_of_every_script_is_checked_before_any_write(
+    queue, redis_client, script, args, position, bad
+):
+    """Lua's tonumber accepts "nan" and "inf": a claim with a NaN lease once stranded a message."""
+    queue.publish([message("a"), message("m-other")])
+    (claimed,) = queue.claim(1)
+    args = [claimed.delivery.token if arg == "1" else arg for arg in args]
+    args[position] = bad
+    per_call = {"dedup": [queue.keys.dedup("")]} if script == "publish" else {}
+    if script == "claim":
+        per_call["request"] = queue.keys.claim_request("c1")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="BADARG"):
+        _call(queue, script, args, **per_call)
+    assert snapshot(redis_client) == before
+
+
+def test_an_empty_queue_name_is_refused_because_its_keys_would_have_no_hash_tag(redis_client):
+    with pytest.raises(ConfigurationError, match="needs a name"):
+        FencedQueue(redis_client, "")
+
+
+def test_includes_are_folded_onto_their_line_so_redis_reports_the_script_file_s_line_numbers():
+    for name in SCRIPT_NAMES:
+        text = source(name)
+        file_lines = (LUA_DIR / f"{name}.lua").read_text().splitlines()
+        sent_lines = text.splitlines()
+        assert len(sent_lines) == len(file_lines), name
+        for file_line, sent_line in zip(file_lines, sent_lines, strict=True):
+            if not file_line.startswith("--- @include"):
+                assert file_line == sent_line, name
+
+
+def test_each_script_header_names_its_keys_in_the_order_python_sends_them():
+    for name, roles in SCRIPT_KEYS.items():
+        header = (LUA_DIR / f"{name}.lua").read_text().split("--]]")[0]
+        named = [
+            role for _, role in sorted((int(i), r) for i, r in re.findall(r"KEYS\[(\d+)\]\s+(\w+)", header))
+        ]
+        if name == "publish":  # the dedup key is KEYS[9+i], one per message
+            assert named == list(roles[:-1]) and "KEYS[9+i] dedup" in header
+        else:
+            assert named == list(roles), name
+
+
+def test_a_counted_requeue_goes_to_the_back_and_a_give_back_to_the_front_as_redis_does(patient):
+    """Kombu's redis:// requeues a rejected message behind the others and restores a given-back one first."""
+    patient.publish([message(m) for m in ("first", "second", "third", "fourth")])
+    first, second, third = patient.claim(3)
+    patient.requeue([first.delivery], counted=True)
+    patient.requeue([third.delivery], counted=True)
+    patient.requeue([second.delivery], counted=False)
+    order = [c.delivery.message_id for c in patient.claim(4)]
+    assert order == ["second", "fourth", "first", "third"]

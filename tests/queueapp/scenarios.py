@@ -89,7 +89,8 @@ def failed(queue: FencedQueue, label: str) -> Published:
 def dead_lettered(queue: FencedQueue, label: str) -> Published:
     """``effect(label)`` rejected by its only allowed delivery: out of deliveries, it is dead-lettered."""
     published = publish(demo_tasks.effect, label)
-    strict = FencedQueue(queue.client, queue.name, options=QueueOptions(max_deliveries=1))
+    # reclaim_limit=0: this claim must not also reclaim (and dead-letter) other scenarios' expired leases.
+    strict = FencedQueue(queue.client, queue.name, options=QueueOptions(max_deliveries=1, reclaim_limit=0))
     claimed = claim_one(strict)
     assert claimed.delivery.message_id == published.message_id
     assert strict.requeue([claimed.delivery], counted=True) == [Reply.DEAD_LETTERED]

@@ -124,8 +124,16 @@ def claimed(queue: FencedQueue, message_id: str):
     return item.delivery
 
 
-def as_info(fenced) -> DeliveryInfo:
-    return delivery(fenced.token, message_id=fenced.message_id, count=fenced.deliveries)
+def as_info(fenced: Delivery) -> DeliveryInfo:
+    """The DeliveryInfo a worker reads from this claimed delivery (claim id included)."""
+    return DeliveryInfo(
+        task_id="t1",
+        task_name=TASK.name,
+        broker=fenced,
+        queue=fenced.queue,
+        message_id=fenced.message_id,
+        worker=f"worker-{fenced.token}",
+    )
 
 
 def test_a_token_below_the_database_s_is_deferred_with_a_floor_and_runs_later(effects, queue, settings):

@@ -59,7 +59,7 @@ def test_requeue_revives_a_dead_lettered_message_with_a_higher_token(app, queue,
     (result,) = actions.requeue(app, [dead.outcome()])
     assert (result.step, result.verdict) == (Step.REVIVE, "done")
     after = queue.locate([dead.message_id])[dead.message_id]
-    assert after.place is Place.READY and after.token > before.token and after.deliveries == 0
+    assert after.place is Place.READY and after.token > before.token and after.charged == 0
     claimed = run_next(queue, label="poisoned", key=dead.key)
     assert claimed.delivery.message_id == dead.message_id
     assert [row[0] for row in effects()] == ["poisoned"]

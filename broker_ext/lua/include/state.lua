@@ -1,0 +1,27 @@
+-- The state record of a message (hash `state`, one field per message id):
+--   "token|deliveries|charged|interrupted|priority|queued_ms|first_deadline_ms|claim"
+-- token: the current delivery's fencing token; deliveries: claims so far (every one);
+-- charged: deliveries spent against max_deliveries; interrupted: lease expiries of deliveries a live
+-- worker had extended (not charged); first_deadline_ms: the lease deadline the claim set (an extension
+-- pushes the lease past it); claim: id of the claim that leased it ('' before the first claim).
+-- Records written before these fields existed ("token|deliveries|priority|queued_ms") still parse.
+-- parse_state(text) -> table, or nil when missing or not a state record; format_state(table) -> text.
+local function parse_state(text)
+  if not text then return nil end
+  local tk, dl, ch, it, pr, qu, fd, cl = string.match(text,
+    '^(%d+)|(%d+)|(%d+)|(%d+)|(%d)|(%d+)|(%d+)|(%w*)$')
+  if tk then
+    return {token = tonumber(tk), deliveries = tonumber(dl), charged = tonumber(ch),
+            interrupted = tonumber(it), priority = tonumber(pr), queued = qu,
+            first_deadline = tonumber(fd), claim = cl}
+  end
+  tk, dl, pr, qu = string.match(text, '^(%d+)|(%d+)|(%d)|(%d+)$')
+  if not tk then return nil end
+  return {token = tonumber(tk), deliveries = tonumber(dl), charged = tonumber(dl), interrupted = 0,
+          priority = tonumber(pr), queued = qu, first_deadline = 0, claim = ''}
+end
+local function format_state(s)
+  return string.format('%.0f', s.token) .. '|' .. s.deliveries .. '|' .. s.charged .. '|'
+    .. s.interrupted .. '|' .. s.priority .. '|' .. s.queued .. '|'
+    .. string.format('%.0f', s.first_deadline) .. '|' .. s.claim
+end
