@@ -7,7 +7,7 @@ on its message id, so a replayed flush is harmless and batching is always on.
 
 from __future__ import annotations
 
-from broker_ext.queue import OutgoingMessage
+from broker_ext.records import OutgoingMessage
 
 
 class FencedPublishBatch:

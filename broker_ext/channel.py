@@ -21,7 +21,7 @@ from kombu.utils.json import dumps
 
 from broker_ext.batch import FencedPublishBatch
 from broker_ext.consume import Consuming, PendingClaim
-from broker_ext.errors import MessageTooLarge
+from broker_ext.errors import MessageTooLarge, Reply
 from broker_ext.messages import (
     DEDUP_KEY_HEADER,
     DEDUP_WINDOW_HEADER,
@@ -29,8 +29,9 @@ from broker_ext.messages import (
     message_id_of,
 )
 from broker_ext.qos import FencedQoS
-from broker_ext.queue import FencedQueue, OutgoingMessage, QueueOptions
-from broker_ext.scripts import Reply, ScriptCall, register, run_calls
+from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.records import OutgoingMessage
+from broker_ext.scripts import ScriptCall, register, run_calls
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +228,7 @@ class Channel(Consuming, kombu_redis.Channel):
         self._queues.pop(queue, None)
 
     def _has_queue(self, queue, **kwargs):
-        keys = self.fenced_queue(queue).keys
-        return bool(self.fenced_client.exists(keys.ready, keys.delayed, keys.leases, keys.bodies))
+        return self.fenced_queue(queue).exists()
 
     def close(self):
         keeper = self.__dict__.get("keeper")

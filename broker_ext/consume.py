@@ -20,12 +20,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from broker_ext.errors import FencedError, RedisUnavailable, ScriptRefused
+from broker_ext.errors import FencedError, RedisUnavailable, Reply, ScriptRefused
 from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
-from broker_ext.queue import Claimed, Delivery
-from broker_ext.scripts import Reply, ScriptCall, command_of, is_transient, translate
+from broker_ext.records import Claimed, Delivery
+from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
 
 logger = logging.getLogger(__name__)
 

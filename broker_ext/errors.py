@@ -1,4 +1,4 @@
-"""Exceptions of the fenced transport: one root, at most two levels.
+"""Exceptions of the fenced transport (one root, at most two levels) and the scripts' reply codes.
 
 Redis errors are translated at the boundary (:mod:`broker_ext.scripts`);
 :class:`RedisFull` is declared a recoverable channel error of the transport,
@@ -9,7 +9,25 @@ reconnect as after any lost connection.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import redis
+
+
+class Reply(IntEnum):
+    """Per-message reply codes of the scripts; negative: refused, nothing written.
+
+    A stale token is not an exception: the refusal is an answer the caller
+    reads (and logs), as BullMQ's scripts answer ``-6`` for a token mismatch.
+    """
+
+    OK = 1
+    ALREADY_ACKED = 2
+    DUPLICATE = 3
+    DEDUPLICATED = 4
+    DEAD_LETTERED = 5
+    NOT_FOUND = -1
+    STALE = -2
 
 
 class FencedError(Exception):

@@ -20,6 +20,7 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:signal``  list    wake-up tokens for blocked consumers (capped)
 ``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
+``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
 ``fenced:{T}:claim:R`` string  the reply of claim request R, for a resent claim
 =====================  ======  ==================================================
@@ -103,6 +104,10 @@ class QueueKeys:
     def dedups(self) -> str:
         return self._key("dedups")
 
+    @cached_property
+    def reclaims(self) -> str:
+        return self._key("reclaims")
+
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")
 
@@ -124,6 +129,7 @@ class QueueKeys:
             self.signal,
             self.stats,
             self.dedups,
+            self.reclaims,
         ]
 
 

@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from broker_ext.scripts import Reply
+from broker_ext.errors import Reply
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from broker_ext.queue import Delivery
+from broker_ext.records import Delivery
 
 #: Message properties set on every delivery.
 FENCE_TOKEN = "fence_token"

@@ -20,7 +20,7 @@ import threading
 from kombu.transport import virtual
 
 from broker_ext.messages import delivery_of
-from broker_ext.queue import Delivery
+from broker_ext.records import Delivery
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,10 @@
 The Kombu channel, the admin, the management commands, the fault lab and the
 benchmark all go through :class:`FencedQueue`, so every atomic operation has
 exactly one caller-side implementation: key lists in the order the script's
-header gives, replies decoded into the types below, Redis errors translated
-into :mod:`broker_ext.errors` (by :mod:`broker_ext.scripts`).
+header gives, replies decoded into :mod:`broker_ext.records`, Redis errors
+translated into :mod:`broker_ext.errors` (by :mod:`broker_ext.scripts`). The
+reads the operator tools need are here too, so that nothing outside this
+package knows a key name or the format of a stored record.
 """
 
 from __future__ import annotations
@@ -12,12 +14,27 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
-from broker_ext.keys import QueueKeys
-from broker_ext.scripts import Reply, ScriptCall, Scripts, register, run_call
+from broker_ext.errors import Reply
+from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
+from broker_ext.records import (
+    Claimed,
+    DeadLetter,
+    DedupEntry,
+    Delivery,
+    MessageState,
+    OutgoingMessage,
+    Place,
+    QueueStats,
+    ReclaimEntry,
+    ReclaimResult,
+    StoredState,
+)
+from broker_ext.scripts import ScriptCall, Scripts, register, run_call
+from broker_ext.signals import DeadLetterNotice, message_dead_lettered
 
 
 @dataclass(frozen=True)
@@ -33,73 +50,6 @@ class QueueOptions:
     ttl_ms: int = 0
 
 
-@dataclass(frozen=True)
-class Delivery:
-    """One delivery of one message: what ack, extend and reject must present."""
-
-    queue: str
-    message_id: str
-    token: int
-    deliveries: int = 1
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A claimed delivery and the stored Kombu payload (JSON bytes)."""
-
-    delivery: Delivery
-    payload: bytes
-
-
-@dataclass(frozen=True)
-class OutgoingMessage:
-    """A message to publish; ``dedup_key`` deduplicates logically equal publishes."""
-
-    message_id: str
-    payload: str | bytes
-    priority: int = 0
-    delay_ms: int = 0
-    dedup_key: str | None = None
-    dedup_window_ms: int = 0
-
-
-@dataclass(frozen=True)
-class QueueStats:
-    """A consistent snapshot of a queue, read in one script call."""
-
-    queue: str
-    ready: int
-    delayed: int
-    leased: int
-    dead: int
-    expired_leases: int
-    oldest_ready_age_s: float | None
-    counters: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {
-            "queue": self.queue,
-            "ready": self.ready,
-            "delayed": self.delayed,
-            "leased": self.leased,
-            "dead": self.dead,
-            "expired_leases": self.expired_leases,
-            "oldest_ready_age_s": self.oldest_ready_age_s,
-            "counters": dict(self.counters),
-        }
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A dead-lettered message with why and when it was set aside."""
-
-    message_id: str
-    reason: str
-    dead_at_ms: int
-    deliveries: int
-    payload: bytes | None
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -113,6 +63,18 @@ def _pairs(deliveries: Iterable[Delivery]) -> list[str | int]:
 
 def _replies(reply: list) -> list[Reply]:
     return [Reply(r) for r in reply]
+
+
+def _decode_reclaim(reply: list) -> ReclaimResult:
+    dead = {_text(reply[i]): _text(reply[i + 1]) for i in range(2, len(reply), 2)}
+    return ReclaimResult(int(reply[0]), dead)
+
+
+def _dead_lettered(message_ids: Sequence[str], replies: Sequence[Reply], reason: str) -> dict[str, str]:
+    """The ids a call's replies say it dead-lettered, each with ``reason``."""
+    return {
+        mid: reason for mid, reply in zip(message_ids, replies, strict=True) if reply is Reply.DEAD_LETTERED
+    }
 
 
 class FencedQueue:
@@ -243,7 +205,7 @@ class FencedQueue:
         ``reason`` says why, in the dead-letter reason of a message out of deliveries.
         """
         k = self.keys
-        return self.run(
+        replies = self.run(
             self._call(
                 self.scripts.requeue,
                 [k.leases, k.state, k.ready, k.delayed, k.seq, k.signal, k.stats, k.dead, k.reasons],
@@ -258,50 +220,63 @@ class FencedQueue:
                 ],
             )
         )
+        why = f"{reason or 'rejected'}: out of deliveries (max_deliveries {self.options.max_deliveries})"
+        self._announce(_dead_lettered([d.message_id for d in deliveries], replies, why))
+        return replies
 
     def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> list[Reply]:
         """Set messages aside with a reason (body kept for inspection and revival)."""
-        return self._dead_letter(_pairs(deliveries), reason)
+        return self._dead_letter([d.message_id for d in deliveries], _pairs(deliveries), reason)
 
     def force_dead_letter(self, message_ids: Sequence[str], reason: str) -> list[Reply]:
         """Operator action: dead-letter by id, whoever holds the message."""
         args: list = []
         for message_id in message_ids:
             args += [message_id, "*"]
-        return self._dead_letter(args, reason)
+        return self._dead_letter(list(message_ids), args, reason)
 
-    def _dead_letter(self, pairs: list, reason: str) -> list[Reply]:
+    def _dead_letter(self, message_ids: list[str], pairs: list, reason: str) -> list[Reply]:
         k = self.keys
-        return self.run(
+        replies = self.run(
             self._call(
                 self.scripts.dead_letter,
                 [k.leases, k.state, k.ready, k.delayed, k.dead, k.reasons, k.stats],
                 [reason, *pairs],
             )
         )
+        self._announce(_dead_lettered(message_ids, replies, reason))
+        return replies
 
     def reclaim_call(self, limit: int = 1000) -> ScriptCall:
         k = self.keys
         return self._call(
             self.scripts.reclaim,
-            [k.leases, k.state, k.ready, k.seq, k.signal, k.stats, k.dead, k.reasons],
-            [self.options.max_deliveries, limit, self.options.signal_cap],
-            lambda reply: (int(reply[0]), int(reply[1])),
+            [k.leases, k.state, k.ready, k.seq, k.signal, k.stats, k.dead, k.reasons, k.reclaims],
+            [self.options.max_deliveries, limit, self.options.signal_cap, self.options.lease_ms],
+            _decode_reclaim,
         )
 
-    def reclaim(self, limit: int = 1000) -> tuple[int, int]:
-        """Return expired leases to ready; returns (reclaimed, dead-lettered)."""
-        return self.run(self.reclaim_call(limit))
+    def reclaim(self, limit: int = 1000) -> ReclaimResult:
+        """Return expired leases to ready (dead-lettering those out of deliveries)."""
+        result = self.run(self.reclaim_call(limit))
+        self._announce(result.dead_lettered)
+        return result
 
     def reclaim_all(self, batch: int = 1000) -> tuple[int, int]:
-        """Reclaim until no expired lease is left."""
+        """Reclaim until no expired lease is left; returns (reclaimed, dead-lettered)."""
         total_reclaimed = total_dead = 0
         while True:
-            reclaimed, dead = self.reclaim(batch)
-            total_reclaimed += reclaimed
-            total_dead += dead
-            if reclaimed + dead < batch:
+            result = self.reclaim(batch)
+            total_reclaimed += result.reclaimed
+            total_dead += len(result.dead_lettered)
+            if result.reclaimed + len(result.dead_lettered) < batch:
                 return total_reclaimed, total_dead
+
+    def _announce(self, dead_lettered: Mapping[str, str]) -> None:
+        """Tell :data:`broker_ext.signals.message_dead_lettered` receivers what this call set aside."""
+        if dead_lettered:
+            notices = [DeadLetterNotice(self.name, mid, reason) for mid, reason in dead_lettered.items()]
+            message_dead_lettered.send(sender=self, notices=notices)
 
     def revive(
         self,
@@ -359,9 +334,74 @@ class FencedQueue:
     def size(self) -> int:
         return int(self.client.zcard(self.keys.ready))
 
+    def server_time_ms(self) -> int:
+        """Redis server time in milliseconds: the clock every lease and due time is measured by."""
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def locate(self, message_ids: Sequence[str]) -> dict[str, MessageState]:
+        """Where this queue holds each message, in one pipelined round trip; read-only.
+
+        A message whose state record is gone is :attr:`Place.ABSENT`; otherwise
+        the sorted set it sits in decides.
+        """
+        ids = list(dict.fromkeys(message_ids))
+        if not ids:
+            return {}
+        k = self.keys
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.hmget(k.state, ids)
+        pipe.hmget(k.reasons, ids)
+        for zset in (k.leases, k.dead, k.delayed, k.ready):
+            pipe.zmscore(zset, ids)
+        now, states, reasons, leases, dead, delayed, ready = pipe.execute()
+        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        found: dict[str, MessageState] = {}
+        for i, message_id in enumerate(ids):
+            state = StoredState.parse(states[i])
+            if state is None:
+                found[message_id] = MessageState(self.name, message_id, Place.ABSENT, server_now_ms=now_ms)
+                continue
+            place, score = Place.READY, None
+            for candidate, scores in ((Place.LEASED, leases), (Place.DEAD, dead), (Place.DELAYED, delayed)):
+                if scores[i] is not None:
+                    place, score = candidate, int(scores[i])
+                    break
+            if place is Place.READY and ready[i] is None:
+                place = Place.ABSENT  # a state record without a set: only mid-script, never between scripts
+            reason = _reason_of(reasons[i]) if place is Place.DEAD else ""
+            found[message_id] = MessageState(
+                self.name, message_id, place, state.token, state.deliveries, score, now_ms, reason
+            )
+        return found
+
+    def payloads(self, message_ids: Sequence[str]) -> list[bytes | None]:
+        """The stored Kombu payloads of ``message_ids`` (``None`` where there is none), in order."""
+        return list(self.client.hmget(self.keys.bodies, list(message_ids))) if message_ids else []
+
+    def payload(self, message_id: str) -> bytes | None:
+        return self.client.hget(self.keys.bodies, message_id)
+
+    def expired_leases(self, limit: int) -> list[str]:
+        """Ids whose lease deadline has passed by server time (not reclaimed yet), oldest first."""
+        return self._ids_scored_upto(self.keys.leases, self.server_time_ms(), limit)
+
+    def overdue_delayed(self, overdue_ms: int, limit: int) -> list[str]:
+        """Delayed ids due at least ``overdue_ms`` ago by server time (nobody promoted them)."""
+        return self._ids_scored_upto(self.keys.delayed, self.server_time_ms() - overdue_ms, limit)
+
+    def dead_ids(self, limit: int | None = None) -> list[str]:
+        """Ids in the dead-letter set, oldest first (all of them without ``limit``)."""
+        end = -1 if limit is None else limit - 1
+        return [_text(i) for i in self.client.zrange(self.keys.dead, 0, end)]
+
+    def _ids_scored_upto(self, key: str, upto_ms: int, limit: int) -> list[str]:
+        return [_text(i) for i in self.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit)]
+
     def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         k = self.keys
-        ids = [_text(i) for i in self.client.zrange(k.dead, 0, limit - 1, withscores=False)]
+        ids = self.dead_ids(limit)
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -371,11 +411,11 @@ class FencedQueue:
         reasons, bodies, scores = pipe.execute()
         letters = []
         for message_id, reason, body, score in zip(ids, reasons, bodies, scores, strict=True):
-            info = json.loads(reason) if reason else {}
+            info = _json_object(reason)
             letters.append(
                 DeadLetter(
                     message_id,
-                    info.get("reason", "unknown"),
+                    str(info.get("reason", _text(reason) if reason else "unknown")),
                     int(score or 0),
                     int(info.get("deliveries", 0)),
                     body,
@@ -383,8 +423,49 @@ class FencedQueue:
             )
         return letters
 
-    def payload(self, message_id: str) -> bytes | None:
-        return self.client.hget(self.keys.bodies, message_id)
+    def dedup_log(self, limit: int) -> list[DedupEntry]:
+        """Recent deduplicated publishes (newest first), with the dedup key each was dropped for."""
+        prefix = self.keys.dedup("")
+        entries = []
+        for raw in self.client.lrange(self.keys.dedups, 0, limit - 1):
+            entry = _json_object(raw)
+            if not entry:
+                continue
+            entries.append(
+                DedupEntry(
+                    queue=self.name,
+                    dedup_key=str(entry.get("key", "")).removeprefix(prefix),
+                    dropped=str(entry.get("id", "")),
+                    kept=str(entry.get("kept") or ""),
+                    at_ms=int(entry.get("at_ms") or 0),
+                )
+            )
+        return entries
+
+    def reclaim_log(self, limit: int) -> list[ReclaimEntry]:
+        """Recent lease expiries that were reclaimed (newest first): whose lease it was and when it lapsed."""
+        entries = []
+        for raw in self.client.lrange(self.keys.reclaims, 0, limit - 1):
+            entry = _json_object(raw)
+            if not entry.get("id"):
+                continue
+            entries.append(
+                ReclaimEntry(
+                    queue=self.name,
+                    message_id=str(entry["id"]),
+                    token=int(entry.get("token") or 0),
+                    deliveries=int(entry.get("deliveries") or 0),
+                    deadline_ms=int(entry.get("deadline_ms") or 0),
+                    last_extended_ms=int(entry.get("last_extended_ms") or 0),
+                    at_ms=int(entry.get("at_ms") or 0),
+                )
+            )
+        return entries
+
+    def exists(self) -> bool:
+        """Whether the queue holds anything (ready, delayed, leased or stored bodies)."""
+        k = self.keys
+        return bool(self.client.exists(k.ready, k.delayed, k.leases, k.bodies))
 
     def delete(self) -> None:
         """Remove every key of the queue (``queue_delete``)."""
@@ -396,3 +477,39 @@ class FencedQueue:
         for key in self.keys.all_static():
             pipe.pexpire(key, ttl_ms)
         pipe.execute()
+
+
+def _json_object(raw: bytes | str | None) -> dict:
+    """A stored JSON object (dead-letter reason, dedup entry), or ``{}`` when it is not one."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _reason_of(raw: bytes | str | None) -> str:
+    """The reason text of a stored dead-letter record (older records were plain text)."""
+    return str(_json_object(raw).get("reason", "")) or (_text(raw) if raw else "")
+
+
+def scan_queue_names(client, *, prefix: str = "", limit: int = 10_000, batch: int = 1000) -> set[str]:
+    """Names of the fenced queues in Redis (a ``stats`` hash each), looking at no more than ``limit`` keys.
+
+    Bounded, so that a big Redis stays cheap to ask.
+    """
+    pattern = key_pattern("stats", prefix)
+    names: set[str] = set()
+    cursor, examined = 0, 0
+    while examined < limit:
+        cursor, keys = client.scan(cursor, match=pattern, count=min(batch, limit - examined))
+        examined += batch
+        for key in keys:
+            name = queue_of_key(_text(key), "stats")
+            if name is not None:
+                names.add(name)
+        if cursor == 0:
+            break
+    return names

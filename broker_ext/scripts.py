@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -63,18 +62,6 @@ def is_transient(exc: Exception) -> bool:
     return isinstance(exc, TRANSIENT) or (
         isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(TRANSIENT_PREFIXES)
     )
-
-
-class Reply(IntEnum):
-    """Per-message reply codes of the scripts (negative: refused, nothing written)."""
-
-    OK = 1
-    ALREADY_ACKED = 2
-    DUPLICATE = 3
-    DEDUPLICATED = 4
-    DEAD_LETTERED = 5
-    NOT_FOUND = -1
-    STALE = -2
 
 
 @cache

@@ -1,4 +1,4 @@
-"""queueapp's door to the fenced broker: deferring a delivery, and what operator tools read and change.
+"""queueapp's door to the fenced broker: deferring a delivery, channels for the operator tools, payloads.
 
 Everything reaches Redis through the Celery app's own connection pool
 (``app.pool.acquire()`` then ``connection.default_channel.fenced_queue(name)``),
@@ -20,12 +20,11 @@ import base64
 import enum
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from broker_ext.queue import Delivery
-from broker_ext.scripts import Reply
+from broker_ext.errors import Reply
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import BrokerUnavailable
 
@@ -56,9 +55,9 @@ def defer(
     never ran); ``counted=True`` does, so that a persistent cause (database
     down) ends in the dead-letter set, under ``reason``, instead of looping.
     """
-    if not delivery.fenced or not delivery.queue:
+    fenced = delivery.broker
+    if fenced is None:
         return Deferral.UNAVAILABLE
-    fenced = Delivery(delivery.queue, delivery.message_id, delivery.token, delivery.delivery_count or 1)
     try:
         with fenced_channel(app, max_retries=None) as channel:
             queue = channel.fenced_queue(delivery.queue)
@@ -106,111 +105,6 @@ def fenced_channel(app, timeout: float = CONNECT_TIMEOUT, *, max_retries: int | 
         yield channel
     finally:
         connection.release()
-
-
-class Place(enum.Enum):
-    """Where the broker holds a message."""
-
-    READY = "ready"
-    LEASED = "leased"
-    DELAYED = "delayed"
-    DEAD = "dead"
-    ABSENT = "absent"  # acked (finished), purged, or never published
-
-
-@dataclass(frozen=True)
-class MessageState:
-    """What the broker knows of one message, read in one round trip."""
-
-    queue: str
-    message_id: str
-    place: Place
-    token: int = 0
-    deliveries: int = 0
-    score_ms: int | None = None  # lease deadline, due time or dead-lettered time (server ms)
-    server_now_ms: int = 0
-    reason: str = ""
-
-    @property
-    def in_broker(self) -> bool:
-        return self.place is not Place.ABSENT
-
-    @property
-    def lease_alive(self) -> bool:
-        """Leased, and the deadline is still ahead by Redis server time (a live worker holds it)."""
-        return self.place is Place.LEASED and (self.score_ms or 0) > self.server_now_ms
-
-    @property
-    def seconds_from_now(self) -> float | None:
-        """Seconds until the deadline / due time (negative: passed), or since dead-lettering (negative)."""
-        if self.score_ms is None:
-            return None
-        return (self.score_ms - self.server_now_ms) / 1000
-
-    def describe(self) -> str:
-        """One line for ops: where the message is and what that means."""
-        seconds = self.seconds_from_now
-        if self.place is Place.LEASED:
-            if self.lease_alive:
-                return f"leased (delivery {self.deliveries}), kept alive by its worker: {seconds:.0f}s left"
-            return f"leased (delivery {self.deliveries}), lease expired {-seconds:.0f}s ago, not reclaimed"
-        if self.place is Place.DELAYED:
-            if seconds is not None and seconds > 0:
-                return f"delayed, due in {seconds:.0f}s"
-            return f"delayed, due {-(seconds or 0):.0f}s ago (no consumer promoted it)"
-        if self.place is Place.DEAD:
-            return f"dead-lettered {-(seconds or 0):.0f}s ago: {self.reason or 'no reason recorded'}"
-        if self.place is Place.READY:
-            return f"ready (delivered {self.deliveries} times so far)"
-        return "not in the broker (acked, purged, or never published)"
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def locate(queue, message_ids: Sequence[str]) -> dict[str, MessageState]:
-    """Where ``queue`` (a :class:`~broker_ext.queue.FencedQueue`) holds each message; read-only.
-
-    One pipelined round trip for all ids. A message whose state record is gone
-    is :attr:`Place.ABSENT`; otherwise the sorted set it sits in decides.
-    """
-    ids = list(dict.fromkeys(message_ids))
-    if not ids:
-        return {}
-    keys = queue.keys
-    pipe = queue.client.pipeline(transaction=False)
-    pipe.time()
-    pipe.hmget(keys.state, ids)
-    pipe.hmget(keys.reasons, ids)
-    for zset in (keys.leases, keys.dead, keys.delayed, keys.ready):
-        pipe.zmscore(zset, ids)
-    now, states, reasons, leases, dead, delayed, ready = pipe.execute()
-    now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
-    found: dict[str, MessageState] = {}
-    for i, message_id in enumerate(ids):
-        state = states[i]
-        if state is None:
-            found[message_id] = MessageState(queue.name, message_id, Place.ABSENT, server_now_ms=now_ms)
-            continue
-        token, deliveries = _text(state).split("|")[:2]
-        place, score = Place.READY, None
-        for candidate, scores in ((Place.LEASED, leases), (Place.DEAD, dead), (Place.DELAYED, delayed)):
-            if scores[i] is not None:
-                place, score = candidate, int(scores[i])
-                break
-        reason = ""
-        if place is Place.DEAD and reasons[i]:
-            try:
-                reason = str(json.loads(reasons[i]).get("reason", ""))
-            except (ValueError, AttributeError):
-                reason = _text(reasons[i])
-        if place is Place.READY and ready[i] is None:
-            place = Place.ABSENT  # a state record without a set: only mid-script, never between scripts
-        found[message_id] = MessageState(
-            queue.name, message_id, place, int(token), int(deliveries), score, now_ms, reason
-        )
-    return found
 
 
 @dataclass(frozen=True)

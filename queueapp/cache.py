@@ -20,7 +20,7 @@ from typing import Any
 
 from django.core.cache import caches
 
-from broker_ext.queue import QueueStats
+from broker_ext.records import QueueStats
 from queueapp import conf
 
 logger = logging.getLogger(__name__)

@@ -12,18 +12,24 @@ import contextvars
 import socket
 from dataclasses import dataclass
 
-from broker_ext.messages import DELIVERY_COUNT, FENCE_TOKEN, FENCED_MESSAGE_ID, FENCED_QUEUE
+from broker_ext.messages import delivery_of
+from broker_ext.records import Delivery
 
 
 @dataclass(frozen=True)
 class DeliveryInfo:
-    """One delivery of one task message, as the commit rule needs it."""
+    """One delivery of one task message, as the commit rule needs it.
+
+    ``broker`` is the fenced delivery exactly as the transport parsed it from
+    the message (:func:`broker_ext.messages.delivery_of`): the same object is
+    handed back to the broker to defer or requeue it. Without fenced:// it is
+    ``None`` and ``queue`` / ``message_id`` come from Celery's request.
+    """
 
     task_id: str
     task_name: str
     retries: int = 0
-    token: int | None = None
-    delivery_count: int | None = None
+    broker: Delivery | None = None
     queue: str = ""
     message_id: str = ""
     worker: str = ""
@@ -32,25 +38,44 @@ class DeliveryInfo:
     @property
     def fenced(self) -> bool:
         """Whether the broker fenced this delivery (a token travels with it)."""
-        return self.token is not None
+        return self.broker is not None
+
+    @property
+    def token(self) -> int | None:
+        return self.broker.token if self.broker is not None else None
+
+    @property
+    def delivery_count(self) -> int | None:
+        return self.broker.deliveries if self.broker is not None else None
+
+    @classmethod
+    def of(cls, broker: Delivery, *, task_name: str, retries: int = 0, worker: str = "") -> DeliveryInfo:
+        """The delivery of a task message claimed from a fenced queue (task id: the message id's stem)."""
+        return cls(
+            task_id=broker.message_id.rsplit(".", 1)[0],
+            task_name=task_name,
+            retries=retries,
+            broker=broker,
+            queue=broker.queue,
+            message_id=broker.message_id,
+            worker=worker,
+        )
 
     @classmethod
     def from_request(cls, request, task_name: str) -> DeliveryInfo:
         """Read a Celery request (``task.request``) into a :class:`DeliveryInfo`."""
         properties = getattr(request, "properties", None) or {}
         delivery_info = getattr(request, "delivery_info", None) or {}
-        token = properties.get(FENCE_TOKEN)
-        count = properties.get(DELIVERY_COUNT)
+        broker = delivery_of(properties)
         retries = int(getattr(request, "retries", 0) or 0)
         task_id = str(request.id)
         return cls(
             task_id=task_id,
             task_name=task_name,
             retries=retries,
-            token=int(token) if token is not None else None,
-            delivery_count=int(count) if count is not None else None,
-            queue=str(properties.get(FENCED_QUEUE) or delivery_info.get("routing_key") or ""),
-            message_id=str(properties.get(FENCED_MESSAGE_ID) or f"{task_id}.{retries}"),
+            broker=broker,
+            queue=broker.queue if broker else str(delivery_info.get("routing_key") or ""),
+            message_id=broker.message_id if broker else f"{task_id}.{retries}",
             worker=str(getattr(request, "hostname", None) or socket.gethostname()),
             eager=bool(getattr(request, "is_eager", False)),
         )

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from broker_ext.queue import FencedQueue, OutgoingMessage
+from broker_ext.queue import FencedQueue
+from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import SCRIPT_NAMES, ScriptCall, source
 from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, watch_drain
 from lab.bench.kombu_level import fill, kombu_queue, producer_for

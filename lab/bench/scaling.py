@@ -25,7 +25,8 @@ import time
 from kombu import Connection
 
 from broker_ext.keys import QueueKeys
-from broker_ext.queue import FencedQueue, OutgoingMessage, QueueOptions
+from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import run_calls
 from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, Measurement, first_line, remaining
 from lab.bench.kombu_level import body, kombu_queue, producer_for

@@ -21,7 +21,8 @@ from collections import Counter
 from django.db import connections
 from kombu import Connection
 
-from broker_ext.queue import FencedQueue, OutgoingMessage
+from broker_ext.queue import FencedQueue
+from broker_ext.records import OutgoingMessage
 from lab.faultlab.history import PublishedTask
 
 TASK_NAMES = {"fenced": "lab.fenced_effect", "stock": "lab.stock_effect"}

@@ -23,7 +23,7 @@ from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
-from queueapp.broker import describe_payload, fenced_channel, locate
+from queueapp.broker import describe_payload, fenced_channel
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskDelivery, TaskOutcome
 from queueapp.ops import actions
@@ -183,7 +183,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
         try:
             with fenced_channel(app) as channel:
                 queue = channel.fenced_queue(queue_name)
-                state = locate(queue, [message_id])[message_id]
+                state = queue.locate([message_id])[message_id]
                 payload = queue.payload(message_id) if state.in_broker else None
         except BrokerUnavailable as exc:
             return str(exc)

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from django.db.models import Max
 from django.utils import timezone
 
-from broker_ext.scripts import Reply
+from broker_ext.errors import Reply
+from broker_ext.records import MessageState, Place
 from queueapp import conf
-from queueapp.broker import MessageState, Place, fenced_channel, locate
+from queueapp.broker import fenced_channel
 from queueapp.models import TaskDelivery, TaskOutcome
 from queueapp.ops.reports import (
     BrokerMessage,
     broker_messages,
     broker_states,
-    ids_of,
     message_id_of,
     queue_of,
 )
@@ -159,7 +159,7 @@ def _republish(app, channel, outcome: TaskOutcome) -> str:
             queue=queue_name,
         )
         # A publish of an id acked within the transport's dedup window is a no-op: try the next number.
-        if locate(channel.fenced_queue(queue_name), [message_id])[message_id].in_broker:
+        if channel.fenced_queue(queue_name).locate([message_id])[message_id].in_broker:
             return message_id
     raise RuntimeError(f"the broker stored none of {REPUBLISH_ATTEMPTS} publishes of {task_id}")
 
@@ -330,7 +330,7 @@ def requeue_dead_letters(
     with fenced_channel(app) as channel:
         fenced = channel.fenced_queue(queue)
         if message_ids is None:
-            message_ids = ids_of(fenced.client.zrange(fenced.keys.dead, 0, -1))
+            message_ids = fenced.dead_ids()
         for message in broker_messages(app, fenced, list(dict.fromkeys(message_ids))):
             step, detail = plan_revive_dead_letter(message)
             _tick(progress)

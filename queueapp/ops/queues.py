@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from broker_ext.keys import key_pattern, queue_of_key
-from broker_ext.queue import QueueStats
+from broker_ext.queue import scan_queue_names
+from broker_ext.records import QueueStats
 from queueapp import conf
 from queueapp.broker import fenced_channel
 from queueapp.models import TaskOutcome
 
 _TRANSIENT_SUFFIX = ".reply.celery.pidbox"
-_SCAN_BATCH = 1000
 
 
 def configured_queues(app) -> set[str]:
@@ -33,20 +32,7 @@ def configured_queues(app) -> set[str]:
 def scanned_queues(channel, limit: int | None = None) -> set[str]:
     """Queues with a ``stats`` hash in Redis, looking at no more than ``limit`` keys."""
     limit = limit if limit is not None else int(conf.get("QUEUE_SCAN_LIMIT"))
-    client = channel.fenced_client
-    pattern = key_pattern("stats", channel.global_keyprefix)
-    names: set[str] = set()
-    cursor, examined = 0, 0
-    while examined < limit:
-        cursor, keys = client.scan(cursor, match=pattern, count=min(_SCAN_BATCH, limit - examined))
-        examined += _SCAN_BATCH
-        for key in keys:
-            name = queue_of_key(key.decode() if isinstance(key, bytes) else key, "stats")
-            if name is not None:
-                names.add(name)
-        if cursor == 0:
-            break
-    return names
+    return scan_queue_names(channel.fenced_client, prefix=channel.global_keyprefix, limit=limit)
 
 
 def known_queues(app, channel=None) -> list[str]:

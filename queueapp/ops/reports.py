@@ -9,7 +9,6 @@ gives (or its task id), so ops see one story per key.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -17,8 +16,9 @@ from datetime import UTC, datetime, timedelta
 from django.db.models import Max, Q
 from django.utils import timezone
 
+from broker_ext.records import MessageState
 from queueapp import conf
-from queueapp.broker import MessageInfo, MessageState, describe_payload, fenced_channel, locate
+from queueapp.broker import MessageInfo, describe_payload, fenced_channel
 from queueapp.decorators import policy_of
 from queueapp.errors import BrokerUnavailable, IdempotencyKeyError
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
@@ -79,7 +79,7 @@ def broker_states(app, outcomes: Iterable[TaskOutcome], channel) -> dict[int, Me
             by_queue.setdefault(queue_of(outcome, app), []).append(outcome)
     states: dict[int, MessageState] = {}
     for name, group in by_queue.items():
-        found = locate(channel.fenced_queue(name), [message_id_of(o) for o in group])
+        found = channel.fenced_queue(name).locate([message_id_of(o) for o in group])
         for outcome in group:
             states[outcome.pk] = found[message_id_of(outcome)]
     return states
@@ -119,8 +119,8 @@ def broker_messages(app, queue, message_ids: list[str]) -> list[BrokerMessage]:
     """States, decoded payloads and outcome rows of ``message_ids`` in ``queue``, in the given order."""
     if not message_ids:
         return []
-    states = locate(queue, message_ids)
-    payloads = queue.client.hmget(queue.keys.bodies, message_ids)
+    states = queue.locate(message_ids)
+    payloads = queue.payloads(message_ids)
     infos = [describe_payload(payload) for payload in payloads]
     keys = [key_of_message(app, info) for info in infos]
     task_ids = [info.task_id for info in infos if info.task_id]
@@ -143,17 +143,6 @@ def broker_messages(app, queue, message_ids: list[str]) -> list[BrokerMessage]:
             )
         )
     return messages
-
-
-def ids_of(values) -> list[str]:
-    """Message ids as ``str`` (redis-py replies are ``bytes``)."""
-    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
-
-
-def _by_score(queue, zset: str, upto_ms: int, limit: int) -> list[str]:
-    """Ids in one of ``queue``'s sorted sets (``leases``, ``delayed``) scored at most ``upto_ms``."""
-    key = getattr(queue.keys, zset)
-    return ids_of(queue.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit))
 
 
 @dataclass(frozen=True)
@@ -216,15 +205,9 @@ def stuck_report(app, *, limit: int | None = None, now: datetime | None = None) 
             stuck_ms = int(stuck_after().total_seconds() * 1000)
             for name in known_queues(app, channel):
                 queue = channel.fenced_queue(name)
-                seconds, micros = queue.client.time()
-                now_ms = int(seconds) * 1000 + int(micros) // 1000
-                report.expired_leases += broker_messages(
-                    app, queue, _by_score(queue, "leases", now_ms, limit)
-                )
-                due_long_ago = _by_score(queue, "delayed", now_ms - stuck_ms, limit)
-                report.overdue_delayed += broker_messages(app, queue, due_long_ago)
-                dead = queue.client.zrange(queue.keys.dead, 0, limit - 1)
-                report.dead_lettered += broker_messages(app, queue, ids_of(dead))
+                report.expired_leases += broker_messages(app, queue, queue.expired_leases(limit))
+                report.overdue_delayed += broker_messages(app, queue, queue.overdue_delayed(stuck_ms, limit))
+                report.dead_lettered += broker_messages(app, queue, queue.dead_ids(limit))
     except BrokerUnavailable as exc:
         report.broker_error = str(exc)
     report.running_past_lease = [
@@ -262,27 +245,16 @@ class DuplicatesReport:
 
 def _dedup_entries(queue, limit: int) -> list[dict]:
     """The queue's recent deduplicated publishes, each with the idempotency key it was dropped for."""
-    prefix = f"{queue.keys.base}:dedup:"
-    entries = []
-    for raw in queue.client.lrange(queue.keys.dedups, 0, limit - 1):
-        try:
-            entry = json.loads(raw)
-        except ValueError:
-            continue
-        dedup_key = str(entry.get("key", ""))
-        dedup_key = dedup_key.removeprefix(prefix)
-        key = dedup_key.removeprefix(DEDUP_KEY_PREFIX)
-        at_ms = int(entry.get("at_ms") or 0)
-        entries.append(
-            {
-                "queue": queue.name,
-                "key": key,
-                "dropped": str(entry.get("id", "")),
-                "kept": str(entry.get("kept") or ""),
-                "at": datetime.fromtimestamp(at_ms / 1000, tz=UTC) if at_ms else None,
-            }
-        )
-    return entries
+    return [
+        {
+            "queue": entry.queue,
+            "key": entry.dedup_key.removeprefix(DEDUP_KEY_PREFIX),
+            "dropped": entry.dropped,
+            "kept": entry.kept,
+            "at": entry.at,
+        }
+        for entry in queue.dedup_log(limit)
+    ]
 
 
 def duplicates_report(app, *, limit: int | None = None) -> DuplicatesReport:

@@ -174,7 +174,7 @@ def test_a_killed_pool_process_s_task_is_requeued_at_once_with_reject_on_worker_
 def test_bad_input_is_dead_lettered_with_a_reason_and_the_worker_keeps_running(
     celery_app, start_worker, record, redis_server, redis_db
 ):
-    from broker_ext.queue import OutgoingMessage
+    from broker_ext.records import OutgoingMessage
     from tests.broker_ext.worker_app import record_run
 
     queue = queue_of(redis_server, redis_db)

@@ -11,7 +11,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from broker_ext.errors import MessageTooLarge, RedisFull, ScriptRefused
 from broker_ext.messages import delay_ms_of, message_id_of
-from broker_ext.queue import OutgoingMessage
+from broker_ext.records import OutgoingMessage
 from broker_ext.transport import Transport
 from lab.processes import wait_for
 

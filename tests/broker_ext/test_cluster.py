@@ -8,10 +8,10 @@ import time
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from broker_ext.errors import ClusterConfigurationError, RedisUnavailable
+from broker_ext.errors import ClusterConfigurationError, RedisUnavailable, Reply
 from broker_ext.keys import QueueKeys
-from broker_ext.queue import FencedQueue, OutgoingMessage
-from broker_ext.scripts import Reply
+from broker_ext.queue import FencedQueue
+from broker_ext.records import OutgoingMessage
 from lab.processes import wait_for
 from tests.helpers import reset_connections, runs
 

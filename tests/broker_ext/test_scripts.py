@@ -8,10 +8,11 @@ import time
 import pytest
 import redis
 
-from broker_ext.errors import PublishRefused, ScriptRefused
+from broker_ext.errors import PublishRefused, Reply, ScriptRefused
 from broker_ext.keys import QueueKeys
-from broker_ext.queue import Delivery, FencedQueue, OutgoingMessage, QueueOptions
-from broker_ext.scripts import SCRIPT_NAMES, Reply, source
+from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.records import Delivery, OutgoingMessage
+from broker_ext.scripts import SCRIPT_NAMES, source
 
 HASH_KEYS = {"bodies", "state", "reasons", "stats"}
 
@@ -135,7 +136,7 @@ def test_ack_after_reclaim_but_before_redelivery_finishes_the_message(queue):
     queue.publish([message("a")])
     (claimed,) = queue.claim()
     time.sleep(0.35)
-    assert queue.reclaim() == (1, 0)
+    assert queue.reclaim_all() == (1, 0)
     assert queue.ack([claimed.delivery]) == [Reply.OK]
     assert queue.claim() == []
 
@@ -146,7 +147,7 @@ def test_extend_keeps_a_lease_alive_past_its_deadline(queue):
     for _ in range(4):
         time.sleep(0.15)
         assert queue.extend([claimed.delivery]) == [Reply.OK]
-    assert queue.reclaim() == (0, 0)
+    assert queue.reclaim_all() == (0, 0)
 
 
 def test_extend_takes_back_a_reclaimed_message_nobody_claimed_yet(queue):
@@ -165,7 +166,7 @@ def test_expired_leases_are_reclaimed_and_dead_lettered_past_max_deliveries(queu
         assert claimed.delivery.deliveries == delivery
         time.sleep(0.35)
         expected = (1, 0) if delivery < 3 else (0, 1)
-        assert queue.reclaim() == expected
+        assert queue.reclaim_all() == expected
     (letter,) = queue.dead_letters()
     assert letter.message_id == "a" and letter.deliveries == 3
     assert "max_deliveries 3" in letter.reason
@@ -322,7 +323,7 @@ def test_out_of_memory_refuses_publish_with_a_clear_error_while_ack_still_works(
     stored = int(client.hlen(queue.keys.bodies))
     assert int(client.hlen(queue.keys.state)) == stored
     assert queue.ack([claimed.delivery]) == [Reply.OK]
-    assert queue.reclaim() == (0, 0)
+    assert queue.reclaim_all() == (0, 0)
 
 
 def test_all_keys_of_a_queue_share_one_cluster_slot_even_with_braces_in_the_name(redis_cluster):
@@ -362,7 +363,7 @@ def test_a_reclaimed_delivery_given_back_still_gets_its_token_floor_and_delay(qu
     queue.publish([message("a")])
     (claimed,) = queue.claim()
     time.sleep(0.35)
-    assert queue.reclaim() == (1, 0)
+    assert queue.reclaim_all() == (1, 0)
     floor = claimed.delivery.token + 1_000_000
     assert queue.requeue([claimed.delivery], counted=False, delay_ms=300, token_floor=floor) == [Reply.OK]
     assert queue.ack([claimed.delivery]) == [Reply.STALE]
@@ -456,7 +457,7 @@ def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_noth
     redis_client.delete(queue.keys.seq)
     redis_client.hset(queue.keys.seq, "not", "a string")
     before = snapshot(redis_client)
-    assert queue.reclaim() == (0, 0)  # the lease has not expired: nothing to write, nothing checked
+    assert queue.reclaim_all() == (0, 0)  # the lease has not expired: nothing to write, nothing checked
     time.sleep(0.35)
     with pytest.raises(ScriptRefused, match="WRONGTYPE"):
         queue.reclaim()

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from broker_ext.keys import QueueKeys
-from broker_ext.queue import FencedQueue, OutgoingMessage
+from broker_ext.queue import FencedQueue
+from broker_ext.records import OutgoingMessage
 from lab.errors import FaultLabError
 from lab.faultlab import clock
 from lab.faultlab.recorder import fenced_end, stock_end

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import pytest
 from django.contrib.auth.models import Permission, User
 
-from broker_ext.queue import Claimed, FencedQueue, QueueOptions
-from broker_ext.scripts import Reply
+from broker_ext.errors import Reply
+from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.records import Claimed
 from queueapp import ledger
 from queueapp.decorators import policy_of
 from queueapp.delivery import DeliveryInfo
@@ -46,16 +47,8 @@ def publish(task, *args, **options) -> Published:
 
 def delivery_of(task, claimed: Claimed, worker: str = "worker-1@test") -> DeliveryInfo:
     """The :class:`DeliveryInfo` a worker would read from this claimed message."""
-    return DeliveryInfo(
-        task_id=claimed.delivery.message_id.rsplit(".", 1)[0],
-        task_name=task.name,
-        retries=int(claimed.delivery.message_id.rsplit(".", 1)[1]),
-        token=claimed.delivery.token,
-        delivery_count=claimed.delivery.deliveries,
-        queue=claimed.delivery.queue,
-        message_id=claimed.delivery.message_id,
-        worker=worker,
-    )
+    retries = int(claimed.delivery.message_id.rsplit(".", 1)[1])
+    return DeliveryInfo.of(claimed.delivery, task_name=task.name, retries=retries, worker=worker)
 
 
 def claim_one(queue: FencedQueue) -> Claimed:

@@ -12,7 +12,8 @@ import pytest
 from django.contrib.auth.models import User
 from django.urls import reverse
 
-from broker_ext.queue import FencedQueue, OutgoingMessage
+from broker_ext.queue import FencedQueue
+from broker_ext.records import OutgoingMessage
 from lab.redis_servers import free_port
 from queueapp.models import TaskOutcome
 from tests.helpers import reset_connections

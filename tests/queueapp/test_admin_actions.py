@@ -10,8 +10,8 @@ from django.contrib.auth.models import User
 from django.urls import reverse
 
 from broker_ext.queue import FencedQueue
+from broker_ext.records import Place
 from queueapp.admin.pages import dead_letter_value
-from queueapp.broker import Place, locate
 from queueapp.models import TaskOutcome
 from tests.queueapp import scenarios
 
@@ -39,7 +39,7 @@ def messages_of(response) -> list[str]:
 
 def place(queue: FencedQueue, published: scenarios.Published) -> Place:
     message_id = published.outcome().message_id or published.message_id
-    return locate(queue, [message_id])[message_id].place
+    return queue.locate([message_id])[message_id].place
 
 
 def test_requeue_asks_for_confirmation_showing_the_plan_and_changes_nothing_yet(admin_client, queue, effects):
@@ -74,7 +74,7 @@ def test_mark_dead_dead_letters_the_message_and_names_the_operator(admin_client,
     queued = scenarios.publish(scenarios.demo_tasks.effect, "cancel me")
     act(admin_client, "mark_dead", queued.outcome(), confirm=True)
     assert queued.outcome().status == Status.DEAD
-    state = locate(queue, [queued.message_id])[queued.message_id]
+    state = queue.locate([queued.message_id])[queued.message_id]
     assert state.place is Place.DEAD and admin_user.username in state.reason
     assert "marked dead" in LogEntry.objects.get().change_message
 

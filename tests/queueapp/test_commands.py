@@ -9,10 +9,10 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from broker_ext.queue import FencedQueue, OutgoingMessage, QueueOptions
+from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.records import OutgoingMessage, Place
 from lab.processes import wait_for
 from lab.redis_servers import free_port
-from queueapp.broker import Place, locate
 from queueapp.models import TaskOutcome
 from tests.helpers import reset_connections
 from tests.queueapp import demo_tasks, scenarios
@@ -54,7 +54,7 @@ def test_requeue_for_real_by_status_and_age_with_json_output(queue, effects):
 
 
 def place_of(queue: FencedQueue, message_id: str) -> Place:
-    return locate(queue, [message_id])[message_id].place
+    return queue.locate([message_id])[message_id].place
 
 
 def test_requeue_dead_lettered_revives_a_queue_s_dead_letter_set(queue, effects):

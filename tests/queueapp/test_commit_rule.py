@@ -12,8 +12,9 @@ import threading
 import pytest
 from django.db import OperationalError, connection
 
-from broker_ext.queue import FencedQueue, OutgoingMessage
-from broker_ext.scripts import Reply
+from broker_ext.errors import Reply
+from broker_ext.queue import FencedQueue
+from broker_ext.records import Delivery, OutgoingMessage
 from lab.processes import wait_for
 from queueapp import ledger
 from queueapp.delivery import DeliveryInfo
@@ -29,11 +30,11 @@ TASK = demo_tasks.effect
 
 
 def delivery(token: int, *, message_id: str = "m", queue: str = "celery", count: int = 1) -> DeliveryInfo:
+    fenced = Delivery(queue, message_id, token, count)
     return DeliveryInfo(
         task_id="t1",
         task_name=TASK.name,
-        token=token,
-        delivery_count=count,
+        broker=fenced,
         queue=queue,
         message_id=message_id,
         worker=f"worker-{token}",
@@ -176,8 +177,7 @@ def attempt(fenced, retries: int, *, task_id: str = "t1") -> DeliveryInfo:
         task_id=task_id,
         task_name=TASK.name,
         retries=retries,
-        token=fenced.token,
-        delivery_count=fenced.deliveries,
+        broker=fenced,
         queue=fenced.queue,
         message_id=fenced.message_id,
         worker="w",
@@ -205,7 +205,8 @@ def test_an_older_attempt_redelivered_after_its_retry_took_the_key_never_takes_i
 
 def test_a_retry_takes_the_key_even_with_a_lower_broker_token_and_the_key_s_token_still_grows(effects):
     def info(token: int, retries: int) -> DeliveryInfo:
-        return DeliveryInfo(task_id="t1", task_name=TASK.name, retries=retries, token=token, worker="w")
+        fenced = Delivery("celery", f"t1.{retries}", token)
+        return DeliveryInfo(task_id="t1", task_name=TASK.name, retries=retries, broker=fenced, worker="w")
 
     first = ledger.claim("k", info(300, 0), args=[], kwargs={}, lease_seconds=30)
     retry = ledger.claim("k", info(200, 1), args=[], kwargs={}, lease_seconds=30)

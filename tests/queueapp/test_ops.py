@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from broker_ext.queue import FencedQueue, OutgoingMessage, QueueOptions
-from broker_ext.scripts import Reply
+from broker_ext.errors import Reply
+from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.records import OutgoingMessage, Place
 from lab.processes import wait_for
-from queueapp.broker import Place, locate
 from queueapp.errors import BrokerUnavailable
 from queueapp.execution import execute
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
@@ -54,11 +54,11 @@ def test_requeue_skips_a_succeeded_key_and_publishes_nothing(app, queue, effects
 
 def test_requeue_revives_a_dead_lettered_message_with_a_higher_token(app, queue, effects):
     dead = scenarios.dead_lettered(queue, "poisoned")
-    before = locate(queue, [dead.message_id])[dead.message_id]
+    before = queue.locate([dead.message_id])[dead.message_id]
     assert before.place is Place.DEAD
     (result,) = actions.requeue(app, [dead.outcome()])
     assert (result.step, result.verdict) == (Step.REVIVE, "done")
-    after = locate(queue, [dead.message_id])[dead.message_id]
+    after = queue.locate([dead.message_id])[dead.message_id]
     assert after.place is Place.READY and after.token > before.token and after.deliveries == 0
     claimed = run_next(queue, label="poisoned", key=dead.key)
     assert claimed.delivery.message_id == dead.message_id
@@ -76,7 +76,7 @@ def test_requeue_of_a_failed_key_whose_message_was_acked_publishes_it_again_unde
     assert (result.step, result.verdict) == (Step.REPUBLISH, "done")
     assert failed.outcome().status == Status.QUEUED
     republished = f"{failed.task_id}.1"  # same task id (= the key), next retry number
-    assert locate(queue, [republished])[republished].place is Place.READY
+    assert queue.locate([republished])[republished].place is Place.READY
     run_next(queue, label="declined", key=failed.key)
     outcome = failed.outcome()
     assert (outcome.status, outcome.attempts) == (Status.SUCCEEDED, 2)
@@ -122,12 +122,12 @@ def test_requeue_of_a_stuck_running_key_fences_off_the_worker_that_held_it(app, 
 
 def test_a_revive_loses_to_a_consumer_that_claimed_the_message_after_the_operator_looked(app, queue):
     stuck = scenarios.stuck_running(queue, "contested")
-    seen = locate(queue, [stuck.message_id])[stuck.message_id]
+    seen = queue.locate([stuck.message_id])[stuck.message_id]
     assert seen.place is Place.LEASED and not seen.lease_alive
-    assert queue.reclaim() == (1, 0)
+    assert queue.reclaim_all() == (1, 0)
     claimed = scenarios.claim_one(queue)  # a live consumer takes it before the operator's click lands
     assert actions.revive(queue, seen) is Reply.STALE
-    now = locate(queue, [stuck.message_id])[stuck.message_id]
+    now = queue.locate([stuck.message_id])[stuck.message_id]
     assert (now.place, now.token) == (Place.LEASED, claimed.delivery.token)
 
 
@@ -135,7 +135,7 @@ def test_mark_dead_dead_letters_the_message_and_its_deliveries_are_then_suppress
     queued = scenarios.publish(demo_tasks.effect, "cancelled")
     (result,) = actions.mark_dead(app, [queued.outcome()], actor="alice (admin)")
     assert (result.step, result.verdict) == (Step.MARK_DEAD, "done")
-    state = locate(queue, [queued.message_id])[queued.message_id]
+    state = queue.locate([queued.message_id])[queued.message_id]
     assert state.place is Place.DEAD and "alice" in state.reason
     assert queued.outcome().status == Status.DEAD
     # Even a copy delivered anyway (an operator revives the message by hand) runs nothing.

@@ -1,0 +1,199 @@
+"""The storage model of a fenced queue, as Python sees it: what the scripts store and what they reply.
+
+:class:`~broker_ext.queue.FencedQueue` turns every script reply and every
+read into these types, so no caller (the channel, queueapp's admin and
+commands, the fault lab) ever parses a key or a state string itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One delivery of one message: what ack, extend, reject and requeue must present.
+
+    ``claim`` is the id of the claim that leased it: random per claim, so two
+    deliveries that got the same token (a failover that lost the last writes)
+    are still told apart.
+    """
+
+    queue: str
+    message_id: str
+    token: int
+    deliveries: int = 1
+    claim: str = ""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A claimed delivery and the stored Kombu payload (JSON bytes)."""
+
+    delivery: Delivery
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    """A message to publish; ``dedup_key`` deduplicates logically equal publishes."""
+
+    message_id: str
+    payload: str | bytes
+    priority: int = 0
+    delay_ms: int = 0
+    dedup_key: str | None = None
+    dedup_window_ms: int = 0
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A consistent snapshot of a queue, read in one script call."""
+
+    queue: str
+    ready: int
+    delayed: int
+    leased: int
+    dead: int
+    expired_leases: int
+    oldest_ready_age_s: float | None
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "queue": self.queue,
+            "ready": self.ready,
+            "delayed": self.delayed,
+            "leased": self.leased,
+            "dead": self.dead,
+            "expired_leases": self.expired_leases,
+            "oldest_ready_age_s": self.oldest_ready_age_s,
+            "counters": dict(self.counters),
+        }
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A dead-lettered message with why and when it was set aside."""
+
+    message_id: str
+    reason: str
+    dead_at_ms: int
+    deliveries: int
+    payload: bytes | None
+
+
+@dataclass(frozen=True)
+class DedupEntry:
+    """A publish the broker dropped because another message held its dedup key."""
+
+    queue: str
+    dedup_key: str
+    dropped: str
+    kept: str
+    at_ms: int
+
+    @property
+    def at(self) -> datetime | None:
+        return datetime.fromtimestamp(self.at_ms / 1000, tz=UTC) if self.at_ms else None
+
+
+@dataclass(frozen=True)
+class ReclaimEntry:
+    """A lease that expired and was reclaimed: whose it was and when its holder last extended it."""
+
+    queue: str
+    message_id: str
+    token: int
+    deliveries: int
+    deadline_ms: int
+    last_extended_ms: int
+    at_ms: int
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    """What one reclaim did: how many leases went back to ready, and which messages were dead-lettered."""
+
+    reclaimed: int
+    dead_lettered: dict[str, str] = field(default_factory=dict)  # message id -> reason
+
+
+class Place(enum.Enum):
+    """Where the broker holds a message."""
+
+    READY = "ready"
+    LEASED = "leased"
+    DELAYED = "delayed"
+    DEAD = "dead"
+    ABSENT = "absent"  # acked (finished), purged, or never published
+
+
+@dataclass(frozen=True)
+class MessageState:
+    """What the broker knows of one message, read in one round trip (:meth:`FencedQueue.locate`)."""
+
+    queue: str
+    message_id: str
+    place: Place
+    token: int = 0
+    deliveries: int = 0
+    score_ms: int | None = None  # lease deadline, due time or dead-lettered time (server ms)
+    server_now_ms: int = 0
+    reason: str = ""
+
+    @property
+    def in_broker(self) -> bool:
+        return self.place is not Place.ABSENT
+
+    @property
+    def lease_alive(self) -> bool:
+        """Leased, and the deadline is still ahead by Redis server time (a live worker holds it)."""
+        return self.place is Place.LEASED and (self.score_ms or 0) > self.server_now_ms
+
+    @property
+    def seconds_from_now(self) -> float | None:
+        """Seconds until the deadline / due time (negative: passed), or since dead-lettering (negative)."""
+        if self.score_ms is None:
+            return None
+        return (self.score_ms - self.server_now_ms) / 1000
+
+    def describe(self) -> str:
+        """One line for ops: where the message is and what that means."""
+        seconds = self.seconds_from_now
+        if self.place is Place.LEASED:
+            if self.lease_alive:
+                return f"leased (delivery {self.deliveries}), kept alive by its worker: {seconds:.0f}s left"
+            return f"leased (delivery {self.deliveries}), lease expired {-seconds:.0f}s ago, not reclaimed"
+        if self.place is Place.DELAYED:
+            if seconds is not None and seconds > 0:
+                return f"delayed, due in {seconds:.0f}s"
+            return f"delayed, due {-(seconds or 0):.0f}s ago (no consumer promoted it)"
+        if self.place is Place.DEAD:
+            return f"dead-lettered {-(seconds or 0):.0f}s ago: {self.reason or 'no reason recorded'}"
+        if self.place is Place.READY:
+            return f"ready (delivered {self.deliveries} times so far)"
+        return "not in the broker (acked, purged, or never published)"
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """A message's record in the queue's ``state`` hash (see :mod:`broker_ext.keys`)."""
+
+    token: int
+    deliveries: int
+    priority: int
+    queued_ms: int
+
+    @classmethod
+    def parse(cls, text: bytes | str | None) -> StoredState | None:
+        """The record, or ``None`` when there is none or it is not in the stored format."""
+        if text is None:
+            return None
+        parts = (text.decode() if isinstance(text, bytes) else text).split("|")
+        if len(parts) != 4 or not all(part.isdigit() for part in parts):
+            return None
+        token, deliveries, priority, queued = (int(part) for part in parts)
+        return cls(token, deliveries, priority, queued)
