@@ -2,7 +2,7 @@
 
 ========================  =====================================================================
 ``queueapp.W001``         the broker URL is not ``fenced://``: the stock transport loses and
-                          duplicates deliveries
+                          duplicates deliveries; or there is none (no Celery app read the settings)
 ``queueapp.W002``         Redis cannot be reached (a warning: ``migrate`` must still run)
 ``queueapp.E001``         Redis older than 7.0 (the scripts declare Redis 7 script flags)
 ``queueapp.E002``         ``maxmemory-policy`` is not ``noeviction``: eviction drops queued tasks
@@ -151,6 +151,19 @@ def check_broker(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     app = _app()
     url = broker_url(app)
     messages: list[checks.CheckMessage] = []
+    if not url:
+        # Django loaded, but no Celery app read its settings: Celery's unconfigured default app answers.
+        return [
+            checks.Warning(
+                "No Celery broker URL is configured: is the Celery app module imported in your project's "
+                "__init__.py?",
+                hint="Celery's Django set-up: proj/celery.py creates the app and calls "
+                "app.config_from_object('django.conf:settings', namespace='CELERY'); proj/__init__.py "
+                "imports it (from .celery import app as celery_app). Then set CELERY_BROKER_URL = "
+                '"fenced://host:6379/0".',
+                id="queueapp.W001",
+            )
+        ]
     if scheme_of(url) not in FENCED_SCHEMES:
         messages.append(
             checks.Warning(

@@ -6,7 +6,7 @@ served by pytest-django's ``live_server``; a real ``celery -A settings
 worker`` runs the requeued task on the test's private Redis and database.
 
 ``UPDATE_SCREENSHOTS=1`` writes a screenshot of each admin page to
-``docs/admin-<page>.png`` (the README shows them); otherwise they go to the
+``docs/admin-<page>.png`` (docs/operations.md shows them); otherwise they go to the
 test's temporary directory, so a normal run never rewrites tracked files.
 """
 

@@ -77,6 +77,16 @@ def test_a_stock_redis_broker_url_is_a_warning(celery_conf, servers):
     assert ids(checks.check_broker()) == ["queueapp.W001"]
 
 
+@pytest.mark.parametrize("url", [None, ""])
+def test_no_broker_url_at_all_is_a_warning_that_asks_for_the_celery_app_module(celery_conf, url):
+    celery_conf.broker_url = url
+    messages = checks.check_broker()
+    assert ids(messages) == ["queueapp.W001"]
+    assert messages[0].msg.startswith("No Celery broker URL is configured")
+    assert "__init__.py" in messages[0].msg
+    assert "no://" not in messages[0].msg
+
+
 def test_an_unreachable_redis_is_a_warning_and_costs_about_the_timeout(celery_conf, monkeypatch):
     monkeypatch.setattr(checks, "TIMEOUT", 1.0)
     celery_conf.broker_url = f"fenced://127.0.0.1:{free_port()}/0"

@@ -1,0 +1,203 @@
+"""The README's five-minute guide, followed step by step in a new project: the guide's proof.
+
+The wheel built from this checkout goes into a fresh virtualenv outside it;
+``django-admin startproject`` makes a new project there, and every marked
+code block of the README (see :mod:`tests.packaging.guide`) is run or written
+as the guide says, a real ``celery -A proj worker`` included. The only change
+to the guide's text is the Redis address: a private server on a free port
+stands in for ``127.0.0.1:6379``. When the guide changes, this test runs the
+new guide.
+
+``GUIDE_CONSTRAINTS`` names a pip constraints file for the virtualenv's
+dependencies (default: ``requirements.txt``, the versions CI pins);
+``bin/test``'s lowest-versions stage sets it to ``requirements-lowest.txt``.
+``GUIDE_PYTHON`` is the virtualenv's interpreter (default: this one); the
+newer-Pythons stage sets it to each newer Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from lab.processes import wait_for
+from lab.redis_servers import RedisServer
+from tests.packaging import guide
+from tests.packaging.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.packaging, pytest.mark.timeout(600)]
+
+GUIDE_REDIS = "127.0.0.1:6379"
+#: Variables of this test run that must not leak into the new project's processes.
+PROJECT_UNSAFE_ENV = ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "QUEUEAPP_VAR_DIR", "DATABASE_URL", "REDIS_URL")
+COMMAND_TIMEOUT = 300
+WORKER_READY_TIMEOUT = 60
+SETTLE_TIMEOUT = 60
+
+#: Waits, inside the guide's shell session, until both deliveries reached a verdict (test code, not guide).
+WAIT_FOR_VERDICTS = f"""
+import time as _time
+from queueapp.models import TaskOutcome as _Outcome
+_deadline = _time.monotonic() + {SETTLE_TIMEOUT}
+while _time.monotonic() < _deadline:
+    _row = _Outcome.objects.filter(idempotency_key=f"charge:{{order.pk}}").first()
+    if _row and _row.status == "succeeded" and _row.suppressed_duplicates + _row.stale_refusals >= 1:
+        break
+    _time.sleep(0.2)
+print("--- guide output ---")
+"""
+
+#: What the project's database holds afterwards, read by the test itself.
+REPORT = """
+import json
+from queueapp.models import TaskDelivery, TaskOutcome
+from shop.models import Payment
+print(json.dumps({
+    "payments": list(Payment.objects.values_list("idempotency_key", flat=True)),
+    "outcomes": list(TaskOutcome.objects.values("idempotency_key", "status", "suppressed_duplicates")),
+    "verdicts": sorted(TaskDelivery.objects.values_list("verdict", flat=True)),
+}))
+"""
+
+
+def constraints_file(tmp_path: Path) -> Path:
+    """The pins of ``GUIDE_CONSTRAINTS`` as a pip constraints file (pip refuses extras there)."""
+    source = Path(os.environ.get("GUIDE_CONSTRAINTS", ROOT / "requirements.txt"))
+    pins = []
+    for line in source.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            requirement = Requirement(line)
+            pins.append(f"{requirement.name}{requirement.specifier}")
+    out = tmp_path / "constraints.txt"
+    out.write_text("\n".join(pins) + "\n")
+    return out
+
+
+class Project:
+    """A virtualenv and the directory the guide's commands run in, outside the checkout."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.venv = root / "venv"
+        self.cwd = root
+        self.env = {name: value for name, value in os.environ.items() if name not in PROJECT_UNSAFE_ENV}
+        self.env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{self.env.get('PATH', '')}"
+        self.env["VIRTUAL_ENV"] = str(self.venv)
+
+    def run(self, command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run ``command`` in the project's directory and virtualenv; fail with its output if it fails."""
+        result = subprocess.run(
+            command,
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            **kwargs,
+        )
+        assert result.returncode == 0, f"{shlex.join(command)} failed:\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def python(self, *args: str) -> subprocess.CompletedProcess:
+        return self.run([str(self.venv / "bin" / "python"), *args])
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A Redis the guide's project may use; AOF on, so that the persistence check has nothing to say."""
+    server = RedisServer(appendonly=True).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def worker_processes() -> Iterator[list[subprocess.Popen]]:
+    """Workers the test starts, each in its own session: warm shutdown, then SIGKILL, by process group."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+
+
+def test_the_five_minute_guide_runs_a_task_sent_twice_once(tmp_path, wheel, private_redis, worker_processes):
+    steps = guide.steps()
+    assert [step.action for step in steps].count("worker") == 1
+    guide_text = "\n".join(step.text for step in steps)
+    assert GUIDE_REDIS in guide_text, "the guide no longer names the Redis address this test replaces"
+    redis_address = f"127.0.0.1:{private_redis.port}"
+
+    project = Project(tmp_path)
+    python = os.environ.get("GUIDE_PYTHON", sys.executable)
+    subprocess.run([python, "-m", "venv", str(project.venv)], check=True, timeout=COMMAND_TIMEOUT)
+    worker_log = tmp_path / "worker.log"
+    shell_session: list[str] = []
+    for step in steps:
+        text = step.text.replace(GUIDE_REDIS, redis_address)
+        if step.action == "install":
+            (line,) = step.lines
+            assert line.startswith("pip install "), line
+            constraints = constraints_file(tmp_path)
+            project.python("-m", "pip", "install", "--quiet", str(wheel), "--constraint", str(constraints))
+        elif step.action == "run":
+            for line in step.lines:
+                command = shlex.split(line)
+                if command[0] == "cd":
+                    project.cwd = project.cwd / command[1]
+                    continue
+                result = project.run(command)
+                if command[-1] == "check":
+                    assert "System check identified no issues" in result.stdout + result.stderr, result.stderr
+        elif step.action == "append":
+            with (project.cwd / step.path).open("a") as file:
+                file.write("\n" + text + "\n")
+        elif step.action == "write":
+            (project.cwd / step.path).write_text(text + "\n")
+        elif step.action == "worker":
+            (line,) = step.lines
+            command = shlex.split(line)
+            assert command[:2] == ["celery", "-A"] and "worker" in command, line
+            with worker_log.open("wb") as log:
+                worker_processes.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=project.cwd,
+                        env=project.env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            ready = wait_for(lambda: " ready." in worker_log.read_text(), WORKER_READY_TIMEOUT, 0.2)
+            assert ready and worker_processes[-1].poll() is None, worker_log.read_text()
+        elif step.action == "shell":
+            shell_session.append(text)
+        elif step.action == "expect":
+            shell_session += [WAIT_FOR_VERDICTS, text]
+            result = project.python("manage.py", "shell", "--command", "\n".join(shell_session))
+            printed = result.stdout.split("--- guide output ---\n", 1)[1].splitlines()
+            assert printed == step.expected_output, result.stdout + result.stderr
+
+    # The last line: Django 5.2's shell first says which models it imported.
+    report = json.loads(project.python("manage.py", "shell", "--command", REPORT).stdout.splitlines()[-1])
+    assert len(report["payments"]) == 1
+    assert report["outcomes"] == [
+        {"idempotency_key": report["payments"][0], "status": "succeeded", "suppressed_duplicates": 1}
+    ]
+    assert report["verdicts"] == ["executed", "suppressed_duplicate"]
+    assert "database is locked" not in worker_log.read_text()

@@ -1,0 +1,54 @@
+"""The documentation stays true to the code: links resolve, and the options table is the Channel's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from kombu.transport import redis as kombu_redis
+
+from broker_ext.channel import Channel
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    found = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_relative_link_points_at_a_file_and_heading_that_exist(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        missing_anchor = bool(anchor) and linked.suffix == ".md" and anchor not in anchors(linked)
+        if not linked.exists() or missing_anchor:
+            broken.append(target)
+    assert broken == []
+
+
+def test_every_page_in_docs_starts_by_saying_who_it_is_for():
+    for page in PAGES[1:]:
+        paragraphs = page.read_text().split("\n\n")
+        assert paragraphs[0].startswith("# "), page.name
+        assert paragraphs[1].startswith("For "), page.name
+
+
+def test_the_transport_options_table_lists_exactly_the_options_the_channel_declares():
+    text = (ROOT / "docs" / "transport.md").read_text()
+    section = text.split("## Transport options", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE))
+    declared = set(Channel.from_transport_options) - set(kombu_redis.Channel.from_transport_options)
+    assert documented == declared
