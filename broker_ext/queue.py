@@ -174,7 +174,7 @@ class FencedQueue:
         return self.run(self.ack_call(deliveries))
 
     def extend_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
-        return self._call("extend", [self.options.lease_ms, *_triples(deliveries)])
+        return self._call("extend", [self.options.lease_ms, self.options.ttl_ms, *_triples(deliveries)])
 
     def extend(self, deliveries: Sequence[Delivery]) -> list[Reply]:
         """Push lease deadlines to server time + lease for deliveries still current."""
@@ -198,7 +198,7 @@ class FencedQueue:
         dead-letter reason of a message out of deliveries.
         """
         o = self.options
-        args = [o.max_deliveries, int(counted), delay_ms, token_floor, o.signal_cap, reason]
+        args = [o.max_deliveries, int(counted), delay_ms, token_floor, o.signal_cap, reason, o.ttl_ms]
         replies = self.run(self._call("requeue", [*args, *_triples(deliveries)]))
         why = f"{reason or 'rejected'}: out of deliveries (max_deliveries {o.max_deliveries})"
         self._announce(_dead_lettered([d.message_id for d in deliveries], replies, why))
@@ -222,7 +222,7 @@ class FencedQueue:
 
     def reclaim_call(self, limit: int = 1000) -> ScriptCall:
         o = self.options
-        args = [o.max_deliveries, o.max_interruptions, limit, o.signal_cap, o.lease_ms]
+        args = [o.max_deliveries, o.max_interruptions, limit, o.signal_cap, o.lease_ms, o.ttl_ms]
 
         def decode(reply: list) -> ReclaimResult:
             result = ReclaimResult(int(reply[0]), _reasons(reply[2:]))
@@ -263,7 +263,8 @@ class FencedQueue:
         for message_id in message_ids:
             delivery = (seen or {}).get(message_id)
             triples += _triples([delivery]) if delivery is not None else [message_id, "*", "*"]
-        return self.run(self._call("revive", [int(reset_deliveries), self.options.signal_cap, *triples]))
+        o = self.options
+        return self.run(self._call("revive", [int(reset_deliveries), o.signal_cap, o.ttl_ms, *triples]))
 
     def purge(self, batch: int = 1000) -> int:
         """Delete every ready message; returns how many."""

@@ -61,12 +61,7 @@ class Transport(kombu_redis.Transport):
     driver_name = "fenced"
     #: A full Redis refuses publishes before they start: Kombu's ensure() may retry them.
     recoverable_channel_errors = (RedisFull,)
-    channel_errors = (
-        *kombu_redis.Transport.channel_errors,
-        ScriptRefused,
-        PublishRefused,
-        ConfigurationError,
-    )
+    channel_errors = (*kombu_redis.Transport.channel_errors, ScriptRefused, PublishRefused)
     #: A Redis that turned replica or a cluster slot in failover is a lost connection, not a bad channel:
     #: Celery reconnects instead of stopping (Kombu's own binding writes hit them too).
     connection_errors = (*kombu_redis.Transport.connection_errors, *TRANSIENT)

@@ -34,6 +34,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "arg_int"
 --- @include "server_time"
 --- @include "state"
+--- @include "keep_expiry"
 local leases, state, bodies, done, acks, ready, delayed, stats =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 if #KEYS ~= 8 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
@@ -94,10 +95,7 @@ if acked > 0 then
       redis.call('ZREM', done, unpack(old))
       redis.call('HDEL', acks, unpack(old))
     end
-    if ttl > 0 then
-      redis.call('PEXPIRE', done, ttl)
-      redis.call('PEXPIRE', acks, ttl)
-    end
+    keep_expiry(ttl, {done, acks})
   end
   redis.call('HINCRBY', stats, 'acked', acked)
 end

@@ -58,6 +58,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "set_dead"
 --- @include "ready"
 --- @include "reclaim_expired"
+--- @include "keep_expiry"
 local ready, delayed, leases, bodies, state, seq, stats, request, dead, reasons, signal, reclaims =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 if #KEYS ~= 12 or #ARGV ~= 10 then error({err = 'FENCED BADARG claim needs 12 keys and 10 arguments'}) end
@@ -92,11 +93,7 @@ if previous then
 end
 
 local function touch_queue()
-  if ttl > 0 then
-    for _, key in ipairs({ready, delayed, leases, bodies, state, seq, stats, dead, reasons, signal, reclaims}) do
-      redis.call('PEXPIRE', key, ttl)
-    end
-  end
+  keep_expiry(ttl, {ready, delayed, leases, bodies, state, seq, stats, dead, reasons, signal, reclaims})
 end
 
 -- An idle queue (what every consumer polls for, once a second) costs these reads and nothing more.

@@ -30,6 +30,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "server_time"
 --- @include "state"
 --- @include "set_dead"
+--- @include "keep_expiry"
 local leases, state, ready, delayed, dead, reasons, stats =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 if #KEYS ~= 7 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
@@ -72,9 +73,6 @@ for i = 3, #ARGV, 3 do
 end
 if moved > 0 then
   redis.call('HINCRBY', stats, 'dead_lettered', moved)
-  if ttl > 0 then
-    redis.call('PEXPIRE', dead, ttl)
-    redis.call('PEXPIRE', reasons, ttl)
-  end
+  keep_expiry(ttl, {state, dead, reasons, stats})
 end
 return replies

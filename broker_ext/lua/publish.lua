@@ -35,6 +35,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "arg_int"
 --- @include "server_time"
 --- @include "ready"
+--- @include "keep_expiry"
 local bodies, state, ready, delayed, seq, done, signal, stats, dedups =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local count = (#ARGV - 2) / 5
@@ -95,12 +96,8 @@ end
 if stored > 0 then
   redis.call('LTRIM', signal, 0, signal_cap - 1)
   redis.call('HINCRBY', stats, 'published', stored)
-  if ttl > 0 then
-    for _, key in ipairs({bodies, state, ready, delayed, seq, done, signal, stats, dedups}) do
-      redis.call('PEXPIRE', key, ttl)
-    end
-  end
 end
 if duplicates > 0 then redis.call('HINCRBY', stats, 'duplicate_publishes', duplicates) end
 if deduplicated > 0 then redis.call('HINCRBY', stats, 'deduplicated_publishes', deduplicated) end
+keep_expiry(ttl, {bodies, state, ready, delayed, seq, done, signal, stats, dedups})
 return replies

@@ -32,7 +32,8 @@ KEYS[9] reasons  hash
 ARGV[1] max deliveries   ARGV[2] count the delivery (0/1)   ARGV[3] delay ms
 ARGV[4] token floor (0: none)   ARGV[5] signal cap
 ARGV[6] why the delivery is given back, for the dead-letter reason ('': rejected by the consumer)
-ARGV[7..] triples: id, token, claim
+ARGV[7] queue ttl ms (0: the queue does not expire)
+ARGV[8..] triples: id, token, claim
 
 Reply: one integer per triple:
    1 OK             requeued (ready, or delayed by ARGV[3]), or a resent call
@@ -48,10 +49,11 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "ready"
 --- @include "wake"
 --- @include "set_dead"
+--- @include "keep_expiry"
 local leases, state, ready, delayed, seq, signal, stats, dead, reasons =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-if #KEYS ~= 9 or #ARGV < 9 or (#ARGV - 6) % 3 ~= 0 then
-  error({err = 'FENCED BADARG requeue needs 9 keys, 5 numbers, a reason and id/token/claim triples'})
+if #KEYS ~= 9 or #ARGV < 10 or (#ARGV - 7) % 3 ~= 0 then
+  error({err = 'FENCED BADARG requeue needs 9 keys, 5 numbers, a reason, a ttl and id/token/claim triples'})
 end
 local max_deliveries = arg_int(ARGV[1], 'max deliveries', 1, 1e9)
 local counted = arg_int(ARGV[2], 'counted', 0, 1) == 1
@@ -59,12 +61,13 @@ local delay = arg_int(ARGV[3], 'delay ms', 0, 1e12)
 local floor = arg_int(ARGV[4], 'token floor', 0, 2 ^ 53)
 local signal_cap = arg_int(ARGV[5], 'signal cap', 1, 1e6)
 local why = ARGV[6] ~= '' and ARGV[6] or 'rejected'
+local ttl = arg_int(ARGV[7], 'queue ttl', 0, 1e12)
 check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {seq, 'string'},
              {signal, 'list'}, {stats, 'hash'}, {dead, 'zset'}, {reasons, 'hash'}})
 
 -- Read and check every message before the first write.
 local found = {}
-for i = 7, #ARGV, 3 do
+for i = 8, #ARGV, 3 do
   arg_int(ARGV[i + 1], 'token of ' .. ARGV[i], 0, 2 ^ 53)
   local raw = redis.call('HGET', state, ARGV[i])
   found[i] = raw and parse_state(raw) or false
@@ -73,7 +76,7 @@ end
 
 local now_ms = server_time()
 local replies, requeued, moved = {}, 0, 0
-for i = 7, #ARGV, 3 do
+for i = 8, #ARGV, 3 do
   local id, token, claim = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
   local s = found[i]
   if not s then
@@ -112,4 +115,7 @@ for i = 7, #ARGV, 3 do
 end
 if requeued > 0 then redis.call('HINCRBY', stats, 'requeued', requeued) end
 if moved > 0 then redis.call('HINCRBY', stats, 'dead_lettered', moved) end
+if requeued + moved > 0 then
+  keep_expiry(ttl, {state, ready, delayed, seq, signal, stats, dead, reasons})
+end
 return replies

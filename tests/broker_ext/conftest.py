@@ -7,9 +7,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from kombu import Connection
 
 from lab.processes import REPO, CeleryWorker
 from lab.redis_servers import RedisCluster
+from tests.broker_ext.behaviour import transport_options
 from tests.helpers import reset_connections
 
 
@@ -74,6 +76,32 @@ def celery_app(fenced_url):
     app.conf.broker_transport_options = {}
     yield app
     reset_connections(app)
+
+
+@pytest.fixture
+def broker_url(transport, redis_url, fenced_url) -> str:
+    """This test's private database, on the transport a behaviour-suite test runs against."""
+    return redis_url if transport == "stock" else fenced_url
+
+
+@pytest.fixture
+def options(transport) -> dict:
+    return transport_options(transport)
+
+
+@pytest.fixture
+def connect(broker_url, options) -> Iterator[Callable[..., Connection]]:
+    """Open Kombu connections to this test's broker (``connect(**extra_transport_options)``); closed after."""
+    connections: list[Connection] = []
+
+    def make(**extra) -> Connection:
+        conn = Connection(broker_url, transport_options={**options, **extra})
+        connections.append(conn)
+        return conn
+
+    yield make
+    for conn in connections:
+        conn.release()
 
 
 @pytest.fixture

@@ -14,74 +14,12 @@ import subprocess
 import sys
 import time
 
-import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from redis.crc import key_slot
 
 from broker_ext.keys import QueueKeys
 from lab.processes import REPO, wait_for
-
-LEASE = 1.0
-
-
-def both(stock_failure: str | None = None):
-    """Parametrize over both transports; ``stock_failure`` marks the stock run as a known defect."""
-    stock = "stock"
-    if stock_failure:
-        stock = pytest.param("stock", marks=pytest.mark.xfail(strict=True, reason=stock_failure))
-    return pytest.mark.parametrize("transport", [stock, "fenced"])
-
-
-@pytest.fixture
-def broker_url(transport, redis_url, fenced_url) -> str:
-    return redis_url if transport == "stock" else fenced_url
-
-
-@pytest.fixture
-def options(transport) -> dict:
-    if transport == "stock":
-        return {"visibility_timeout": LEASE, "unacked_restore_throttle": 1, "unacked_restore_interval": 1}
-    # Acks are sent at once, so that each test decides when a (late) ack reaches Redis.
-    return {"lease_timeout": LEASE, "reclaim_interval": 0.2, "ack_flush_interval": 0}
-
-
-@pytest.fixture
-def connect(broker_url, options):
-    connections: list[Connection] = []
-
-    def make() -> Connection:
-        conn = Connection(broker_url, transport_options=options)
-        connections.append(conn)
-        return conn
-
-    yield make
-    for conn in connections:
-        conn.release()
-
-
-def publish(conn: Connection, queue: Queue, *bodies, **kwargs) -> None:
-    producer = Producer(conn.channel())
-    for body in bodies:
-        producer.publish(
-            body, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue], **kwargs
-        )
-
-
-def drain(conn: Connection, queue: Queue, *, seconds: float, ack: bool = True, prefetch: int = 10) -> list:
-    """Consume for ``seconds``; returns (body, message) pairs."""
-    got: list = []
-
-    def on_message(body, message) -> None:
-        got.append((body, message))
-        if ack:
-            message.ack()
-
-    with Consumer(conn.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch):
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                conn.drain_events(timeout=min(0.3, max(deadline - time.monotonic(), 0.01)))
-    return got
+from tests.broker_ext.behaviour import LEASE, both, drain, drain_once, publish
 
 
 @both()
@@ -116,14 +54,8 @@ def test_fanout_reaches_every_consumer(connect):
             conn.drain_events(timeout=0.3)
     Producer(connect().channel()).publish({"hello": 1}, exchange=fanout, routing_key="", declare=[fanout])
     for i, conn in enumerate(conns):
-        wait_for(lambda conn=conn, i=i: bool(got[i]) or _drain_once(conn), timeout=3, interval=0)
+        wait_for(lambda conn=conn, i=i: bool(got[i]) or drain_once(conn), timeout=3, interval=0)
     assert got == [[{"hello": 1}], [{"hello": 1}]]
-
-
-def _drain_once(conn: Connection) -> bool:
-    with contextlib.suppress(TimeoutError):
-        conn.drain_events(timeout=0.2)
-    return False
 
 
 @both()
@@ -153,7 +85,7 @@ def test_a_live_consumer_holding_a_message_past_the_lease_keeps_it(connect):
     publish(holder, queue, {"n": 1})
     held: list = []
     with Consumer(holder.channel(), [queue], callbacks=[lambda b, m: held.append(m)], prefetch_count=1):
-        assert wait_for(lambda: bool(held) or _drain_once(holder), timeout=5, interval=0)
+        assert wait_for(lambda: bool(held) or drain_once(holder), timeout=5, interval=0)
         stolen = drain(other, queue, seconds=LEASE * 4)
         held[0].ack()
     assert stolen == []
@@ -168,7 +100,7 @@ def test_an_ack_after_the_lease_expired_leaves_no_copy_to_run_again(connect, tra
     with Consumer(
         slow.channel(), [queue], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
     ) as consumer:
-        assert wait_for(lambda: bool(held) or _drain_once(slow), timeout=5, interval=0)
+        assert wait_for(lambda: bool(held) or drain_once(slow), timeout=5, interval=0)
         if transport == "fenced":
             consumer.channel.keeper.stop()  # the holder stalls: it stops extending its lease
         time.sleep(LEASE * 1.5)
@@ -195,7 +127,7 @@ def test_a_late_ack_from_an_expired_delivery_cannot_lose_the_live_one(connect, b
     with Consumer(
         first.channel(), [queue], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
     ) as consumer:
-        assert wait_for(lambda: bool(held) or _drain_once(first), timeout=5, interval=0)
+        assert wait_for(lambda: bool(held) or drain_once(first), timeout=5, interval=0)
         if transport == "fenced":
             consumer.channel.keeper.stop()
         time.sleep(LEASE * 1.5)
