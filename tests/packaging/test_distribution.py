@@ -53,7 +53,7 @@ def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_and_migr
     ]
     missing = sorted(str(path.relative_to(ROOT)) for path in data if str(path.relative_to(ROOT)) not in files)
     assert missing == []
-    assert "broker_ext/lua/include/common.lua" in files
+    assert "broker_ext/lua/include/server_time.lua" in files
 
 
 def test_the_wheel_leaves_out_the_lab_the_settings_and_the_tests(wheel):
