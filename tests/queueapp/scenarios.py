@@ -17,6 +17,7 @@ from django.contrib.auth.models import Permission, User
 from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue, QueueOptions
 from broker_ext.records import Claimed
+from lab.processes import wait_for
 from queueapp import ledger
 from queueapp.decorators import policy_of
 from queueapp.delivery import DeliveryInfo
@@ -104,8 +105,7 @@ def stuck_running(queue: FencedQueue, label: str, *, lease_seconds: float = -360
     that long ago), standing for a run that started long before the test.
     """
     published = publish(demo_tasks.effect, label)
-    hasty = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=1))
-    (claimed,) = hasty.claim(1)
+    (claimed,) = claim_expired(queue, 1)
     ledger.claim(
         published.key,
         delivery_of(demo_tasks.effect, claimed, "worker-gone@test"),
@@ -151,3 +151,16 @@ def staff(username: str, *codenames: str) -> User:
         Permission.objects.filter(content_type__app_label="queueapp", codename__in=codenames)
     )
     return user
+
+
+def claim_expired(queue: FencedQueue, count: int) -> list[Claimed]:
+    """Claim ``count`` messages with a 1 ms lease and wait until Redis counts them expired.
+
+    The wait makes the expiry a fact the test observed, not a race the test
+    hopes to win (a loaded machine can run the next line within the millisecond).
+    """
+    before = queue.stats().expired_leases
+    claimed = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=1)).claim(count)
+    assert len(claimed) == count
+    assert wait_for(lambda: queue.stats().expired_leases == before + count, timeout=5), queue.stats()
+    return claimed

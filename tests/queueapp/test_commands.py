@@ -9,7 +9,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage, Place
 from lab.processes import wait_for
 from lab.redis_servers import free_port
@@ -114,8 +114,7 @@ def test_queue_status_prints_a_table_and_json(queue):
 def test_reclaim_dry_run_counts_and_the_real_run_reclaims(queue):
     for label in ("a", "b", "c"):
         scenarios.publish(demo_tasks.effect, label)
-    FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=1)).claim(3)
-    wait_for(lambda: queue.stats().expired_leases == 3, timeout=5)
+    scenarios.claim_expired(queue, 3)
     out, _ = run("reclaim", "--queue", "celery", "--dry-run")
     assert out.strip() == "celery: 3 expired leases would be reclaimed"
     assert queue.stats().ready == 0

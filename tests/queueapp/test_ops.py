@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from broker_ext.errors import Reply
-from broker_ext.queue import FencedQueue, QueueOptions
+from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage, Place
 from lab.processes import wait_for
 from queueapp.errors import BrokerUnavailable
@@ -212,8 +212,7 @@ def test_queues_are_found_in_celery_s_config_the_outcomes_and_redis(app, queue):
 def test_reclaim_returns_expired_leases_and_dead_letters_past_max_deliveries(app, queue):
     for label in ("a", "b"):
         scenarios.publish(demo_tasks.effect, label)
-    hasty = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=1))
-    hasty.claim(2)
+    scenarios.claim_expired(queue, 2)
     (dry,) = [r for r in queues.reclaim(app, dry_run=True) if r.queue == "celery"]
     assert (dry.expired, dry.reclaimed, queue.stats().ready) == (2, 0, 0)
     (done,) = [r for r in queues.reclaim(app) if r.queue == "celery"]
