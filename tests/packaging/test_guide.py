@@ -135,6 +135,75 @@ def worker_processes() -> Iterator[list[subprocess.Popen]]:
                 process.wait(timeout=10)
 
 
+class GuideRunner:
+    """Does what each marked block of the guide says: one method per action (tests.packaging.guide)."""
+
+    def __init__(self, tmp_path: Path, wheel: Path, workers: list[subprocess.Popen]) -> None:
+        self.tmp_path = tmp_path
+        self.wheel = wheel
+        self.workers = workers
+        self.project = Project(tmp_path)
+        self.worker_log = tmp_path / "worker.log"
+        self.shell_session: list[str] = []
+        python = os.environ.get("GUIDE_PYTHON", sys.executable)
+        subprocess.run([python, "-m", "venv", str(self.project.venv)], check=True, timeout=COMMAND_TIMEOUT)
+
+    def follow(self, step: guide.Step, text: str) -> None:
+        getattr(self, step.action)(step, text)
+
+    def install(self, step: guide.Step, text: str) -> None:
+        (line,) = step.lines
+        assert line.startswith("pip install "), line
+        constraints = constraints_file(self.tmp_path)
+        self.project.python(
+            "-m", "pip", "install", "--quiet", str(self.wheel), "--constraint", str(constraints)
+        )
+
+    def run(self, step: guide.Step, text: str) -> None:
+        for line in step.lines:
+            command = shlex.split(line)
+            if command[0] == "cd":
+                self.project.cwd = self.project.cwd / command[1]
+                continue
+            result = self.project.run(command)
+            if command[-1] == "check":
+                assert "System check identified no issues" in result.stdout + result.stderr, result.stderr
+
+    def append(self, step: guide.Step, text: str) -> None:
+        with (self.project.cwd / step.path).open("a") as file:
+            file.write("\n" + text + "\n")
+
+    def write(self, step: guide.Step, text: str) -> None:
+        (self.project.cwd / step.path).write_text(text + "\n")
+
+    def worker(self, step: guide.Step, text: str) -> None:
+        (line,) = step.lines
+        command = shlex.split(line)
+        assert command[:2] == ["celery", "-A"] and "worker" in command, line
+        with self.worker_log.open("wb") as log:
+            self.workers.append(
+                subprocess.Popen(
+                    command,
+                    cwd=self.project.cwd,
+                    env=self.project.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        ready = wait_for(lambda: " ready." in self.worker_log.read_text(), WORKER_READY_TIMEOUT, 0.2)
+        assert ready and self.workers[-1].poll() is None, self.worker_log.read_text()
+
+    def shell(self, step: guide.Step, text: str) -> None:
+        self.shell_session.append(text)
+
+    def expect(self, step: guide.Step, text: str) -> None:
+        self.shell_session += [WAIT_FOR_VERDICTS, text]
+        result = self.project.python("manage.py", "shell", "--command", "\n".join(self.shell_session))
+        printed = result.stdout.split("--- guide output ---\n", 1)[1].splitlines()
+        assert printed == step.expected_output, result.stdout + result.stderr
+
+
 def test_the_five_minute_guide_runs_a_task_sent_twice_once(tmp_path, wheel, private_redis, worker_processes):
     steps = guide.steps()
     assert [step.action for step in steps].count("worker") == 1
@@ -142,62 +211,17 @@ def test_the_five_minute_guide_runs_a_task_sent_twice_once(tmp_path, wheel, priv
     assert GUIDE_REDIS in guide_text, "the guide no longer names the Redis address this test replaces"
     redis_address = f"127.0.0.1:{private_redis.port}"
 
-    project = Project(tmp_path)
-    python = os.environ.get("GUIDE_PYTHON", sys.executable)
-    subprocess.run([python, "-m", "venv", str(project.venv)], check=True, timeout=COMMAND_TIMEOUT)
-    worker_log = tmp_path / "worker.log"
-    shell_session: list[str] = []
+    runner = GuideRunner(tmp_path, wheel, worker_processes)
     for step in steps:
-        text = step.text.replace(GUIDE_REDIS, redis_address)
-        if step.action == "install":
-            (line,) = step.lines
-            assert line.startswith("pip install "), line
-            constraints = constraints_file(tmp_path)
-            project.python("-m", "pip", "install", "--quiet", str(wheel), "--constraint", str(constraints))
-        elif step.action == "run":
-            for line in step.lines:
-                command = shlex.split(line)
-                if command[0] == "cd":
-                    project.cwd = project.cwd / command[1]
-                    continue
-                result = project.run(command)
-                if command[-1] == "check":
-                    assert "System check identified no issues" in result.stdout + result.stderr, result.stderr
-        elif step.action == "append":
-            with (project.cwd / step.path).open("a") as file:
-                file.write("\n" + text + "\n")
-        elif step.action == "write":
-            (project.cwd / step.path).write_text(text + "\n")
-        elif step.action == "worker":
-            (line,) = step.lines
-            command = shlex.split(line)
-            assert command[:2] == ["celery", "-A"] and "worker" in command, line
-            with worker_log.open("wb") as log:
-                worker_processes.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=project.cwd,
-                        env=project.env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-            ready = wait_for(lambda: " ready." in worker_log.read_text(), WORKER_READY_TIMEOUT, 0.2)
-            assert ready and worker_processes[-1].poll() is None, worker_log.read_text()
-        elif step.action == "shell":
-            shell_session.append(text)
-        elif step.action == "expect":
-            shell_session += [WAIT_FOR_VERDICTS, text]
-            result = project.python("manage.py", "shell", "--command", "\n".join(shell_session))
-            printed = result.stdout.split("--- guide output ---\n", 1)[1].splitlines()
-            assert printed == step.expected_output, result.stdout + result.stderr
+        runner.follow(step, step.text.replace(GUIDE_REDIS, redis_address))
 
     # The last line: Django 5.2's shell first says which models it imported.
-    report = json.loads(project.python("manage.py", "shell", "--command", REPORT).stdout.splitlines()[-1])
+    report = json.loads(
+        runner.project.python("manage.py", "shell", "--command", REPORT).stdout.splitlines()[-1]
+    )
     assert len(report["payments"]) == 1
     assert report["outcomes"] == [
         {"idempotency_key": report["payments"][0], "status": "succeeded", "suppressed_duplicates": 1}
     ]
     assert report["verdicts"] == ["executed", "suppressed_duplicate"]
-    assert "database is locked" not in worker_log.read_text()
+    assert "database is locked" not in runner.worker_log.read_text()

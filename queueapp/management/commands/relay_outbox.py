@@ -28,15 +28,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, limit=None, loop=False, interval=None, dry_run=False, as_json=False, **options):
         if dry_run:
-            rows = pending(limit)
-            if as_json:
-                self.stdout.write(json.dumps([{"task_id": r.task_id, "task": r.task_name} for r in rows]))
-            else:
-                for row in rows:
-                    self.stdout.write(
-                        f"would publish {row.task_name} {row.task_id} (attempts {row.relay_attempts})"
-                    )
-                self.stdout.write(f"{len(rows)} due")
+            self.list_due(pending(limit), as_json)
             return
         batch = limit or conf.get("OUTBOX_BATCH_SIZE")
         interval = interval if interval is not None else conf.get("OUTBOX_RELAY_INTERVAL")
@@ -47,12 +39,7 @@ class Command(BaseCommand):
                 passes += 1
                 sent += len(report.sent)
                 failed += len(report.failed)
-                if not as_json and (report.sent or report.failed):
-                    self.stdout.write(
-                        f"pass {passes}: {len(report.sent)} published, {len(report.failed)} failed"
-                    )
-                for task_id, error in report.failed.items():
-                    self.stderr.write(f"{task_id}: {error}")
+                self.report_pass(passes, report, as_json)
                 drained = len(report.sent) + len(report.failed) < batch
                 if drained and not loop:
                     break
@@ -64,3 +51,17 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps({"passes": passes, "sent": sent, "failed": failed}))
         else:
             self.stdout.write(self.style.SUCCESS(f"{sent} published, {failed} failed"))
+
+    def list_due(self, rows: list, as_json: bool) -> None:
+        if as_json:
+            self.stdout.write(json.dumps([{"task_id": r.task_id, "task": r.task_name} for r in rows]))
+            return
+        for row in rows:
+            self.stdout.write(f"would publish {row.task_name} {row.task_id} (attempts {row.relay_attempts})")
+        self.stdout.write(f"{len(rows)} due")
+
+    def report_pass(self, number: int, report, as_json: bool) -> None:
+        if not as_json and (report.sent or report.failed):
+            self.stdout.write(f"pass {number}: {len(report.sent)} published, {len(report.failed)} failed")
+        for task_id, error in report.failed.items():
+            self.stderr.write(f"{task_id}: {error}")
