@@ -30,6 +30,7 @@ from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import run_calls
 from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, Measurement, first_line, remaining
 from lab.bench.kombu_level import body, kombu_queue, producer_for
+from lab.processes import wait_for
 
 LEVEL = "scaling"
 FILL_CHUNK = 1_000
@@ -147,47 +148,73 @@ def measure_system(
     db = run.fresh_db()
     client = run.client(db)
     queues = {depth: f"{QUEUE}.{depth}" for depth in run.sizes.depths}
-    costs: dict[int, list[dict]] = {depth: [] for depth in queues}
     try:
         for depth, name in queues.items():
-            run.progress(f"scaling: filling {depth:,} messages on {system}")
-            before = used_memory(client)
-            if system == FENCED:
-                fill_fenced(FencedQueue(client, name), payload, depth)
-            else:
-                fill_stock(client, name, payload, depth)
-            stored = remaining(client, system, name)
-            if stored != depth:
-                raise AssertionError(f"{system}: fill stored {stored} of {depth}")
-            figures[depth]["memory"].add(
-                system,
-                (used_memory(client) - before) / depth,
-                payload_bytes=len(payload),
-                memory_usage_per_key=memory_by_key(client, system, name, depth),
-            )
+            fill_depth(run, system, client, name, depth, payload, figures[depth]["memory"])
         run.progress(f"scaling: probing claim and ack at every depth on {system}")
+        costs: dict[int, list[dict]] = {depth: [] for depth in queues}
         for _ in range(run.sizes.repeats):
             for depth, name in queues.items():
-                probes = min(run.sizes.depth_probe, depth // (2 * run.sizes.repeats))
-                if system == FENCED:
-                    costs[depth].append(probe_scripts(run, FencedQueue(client, name), probes))
-                    figures[depth]["claim_ack"].add(
-                        system, costs[depth][-1]["claim_us"] + costs[depth][-1]["ack_us"]
-                    )
-                figures[depth]["kombu"].add(system, probe_kombu(run, system, db, name, probes), probes=probes)
+                probe_depth(run, system, client, db, name, depth, figures[depth], costs[depth])
         for depth, measured in costs.items():
             if measured:  # Each detail is the median of its repeats, like the figure.
                 figures[depth]["claim_ack"].details[system] = {
                     name: statistics.median(cost[name] for cost in measured) for name in measured[0]
                 }
     except Exception as exc:
-        for by_name in figures.values():
-            for name, figure in by_name.items():
-                if system not in figure.values and (system == FENCED or name != "claim_ack"):
-                    run.errors.append({"figure": figure.key, "system": system, "error": repr(exc)})
-        run.progress(f"[red]scaling on {system} failed: {first_line(exc)}[/red]")
+        record_failure(run, system, figures, exc)
     finally:
         run.release_db(db)
+
+
+def fill_depth(
+    run: BenchRun, system: str, client, name: str, depth: int, payload: str, memory: Measurement
+) -> None:
+    """Queue ``depth`` messages on ``name`` and record the memory each one takes."""
+    run.progress(f"scaling: filling {depth:,} messages on {system}")
+    before = used_memory(client)
+    if system == FENCED:
+        fill_fenced(FencedQueue(client, name), payload, depth)
+    else:
+        fill_stock(client, name, payload, depth)
+    stored = remaining(client, system, name)
+    if stored != depth:
+        raise AssertionError(f"{system}: fill stored {stored} of {depth}")
+    memory.add(
+        system,
+        (used_memory(client) - before) / depth,
+        payload_bytes=len(payload),
+        memory_usage_per_key=memory_by_key(client, system, name, depth),
+    )
+
+
+def probe_depth(
+    run: BenchRun,
+    system: str,
+    client,
+    db: int,
+    name: str,
+    depth: int,
+    figures: dict[str, Measurement],
+    costs: list[dict],
+) -> None:
+    """One repeat at one depth: the scripts' own cost (fenced only) and the Kombu round trip."""
+    probes = min(run.sizes.depth_probe, depth // (2 * run.sizes.repeats))
+    if system == FENCED:
+        costs.append(probe_scripts(run, FencedQueue(client, name), probes))
+        figures["claim_ack"].add(system, costs[-1]["claim_us"] + costs[-1]["ack_us"])
+    figures["kombu"].add(system, probe_kombu(run, system, db, name, probes), probes=probes)
+
+
+def record_failure(
+    run: BenchRun, system: str, figures: dict[int, dict[str, Measurement]], exc: Exception
+) -> None:
+    """Name every figure the failure left without a value for ``system``."""
+    for by_name in figures.values():
+        for name, figure in by_name.items():
+            if system not in figure.values and (system == FENCED or name != "claim_ack"):
+                run.errors.append({"figure": figure.key, "system": system, "error": repr(exc)})
+    run.progress(f"[red]scaling on {system} failed: {first_line(exc)}[/red]")
 
 
 def reclaim_fenced(run: BenchRun, payload: str, count: int) -> tuple[float, dict]:
@@ -197,7 +224,8 @@ def reclaim_fenced(run: BenchRun, payload: str, count: int) -> tuple[float, dict
         fill_fenced(queue, payload, count)
         while queue.claim(FILL_CHUNK):
             pass
-        time.sleep(0.05)  # Every lease is past its 1 ms deadline now.
+        if not wait_for(lambda: queue.stats().expired_leases == count, timeout=10):
+            raise AssertionError(f"fenced: {queue.stats().expired_leases} of {count} leases expired")
         meter = LoadMeter(queue.client).start()
         started = time.perf_counter()
         reclaimed, dead = queue.reclaim_all(FILL_CHUNK)
