@@ -9,7 +9,7 @@ import logging
 import threading
 
 from celery import current_app
-from celery.signals import before_task_publish, worker_ready, worker_shutdown
+from celery.signals import before_task_publish, worker_init, worker_ready, worker_shutdown
 from django.db import DatabaseError, connections
 from django.utils.dateparse import parse_datetime
 
@@ -87,6 +87,20 @@ class OutboxRelayThread(threading.Thread):
 _relay: OutboxRelayThread | None = None
 
 
+def on_worker_init(sender=None, **_) -> None:
+    """Before the worker consumes: every exactly-once task acks only deliveries that reached a verdict.
+
+    Tasks decorated over the task object got this at install; those decorated
+    under ``@shared_task`` are only known as tasks here.
+    """
+    from queueapp.decorators import ack_only_with_a_verdict, policy_of
+
+    app = getattr(sender, "app", None) or current_app
+    for task in list(app.tasks.values()):
+        if policy_of(task) is not None:
+            ack_only_with_a_verdict(task)
+
+
 def on_worker_ready(sender=None, **_) -> None:
     global _relay
     if not conf.get("OUTBOX_WORKER_RELAY") or _relay is not None:
@@ -105,5 +119,6 @@ def on_worker_shutdown(**_) -> None:
 
 def connect() -> None:
     before_task_publish.connect(on_before_task_publish, weak=False, dispatch_uid="queueapp.before_publish")
+    worker_init.connect(on_worker_init, weak=False, dispatch_uid="queueapp.worker_init")
     worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="queueapp.worker_ready")
     worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="queueapp.worker_shutdown")
