@@ -40,6 +40,10 @@ Every value is looked up when it is used, never at import time, so tests
     Seconds between two passes of the worker relay.
 ``OUTBOX_PUBLISH_TIMEOUT`` (``5.0``)
     Seconds one relay publish may take before the row is retried later.
+``RECONCILE_INTERVAL`` (``30.0``)
+    Seconds between two passes of each worker's dead-letter reconciliation
+    (:mod:`queueapp.dead_letters`); ``0`` turns the worker's pass off
+    (``manage.py reconcile`` still runs it).
 ``STUCK_AFTER`` (``300.0``)
     Seconds past its due time before the admin and ``requeue --status stuck``
     call something stuck: a running key past its lease deadline, a queued key
@@ -78,6 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_WORKER_RELAY": True,
     "OUTBOX_RELAY_INTERVAL": 1.0,
     "OUTBOX_PUBLISH_TIMEOUT": 5.0,
+    "RECONCILE_INTERVAL": 30.0,
     "STUCK_AFTER": 300.0,
     "OPS_LIST_LIMIT": 200,
     "QUEUE_STATS_CACHE_TIMEOUT": 2.0,

@@ -125,10 +125,27 @@ def _wrap_function(fun: Callable, policy: ExactlyOncePolicy) -> Callable:
     return run
 
 
+def ack_only_with_a_verdict(task: Task) -> None:
+    """Make the worker keep every delivery of ``task`` in the broker unless its key has a verdict.
+
+    Whatever returns or raises from the task itself is already safe to ack (see
+    :func:`queueapp.execution.execute`). What the task never sees is decided by
+    the worker's main process: an early ack (``acks_late`` off) would drop the
+    message before it ran, a hard time limit is acked by default
+    (``task_acks_on_failure_or_timeout``), and a pool process that died is
+    acked unless ``task_reject_on_worker_lost``. All three give the message
+    back instead, for every exactly-once task, whatever the project's settings.
+    """
+    task.acks_late = True
+    task.acks_on_timeout = False
+    task.reject_on_worker_lost = True
+
+
 def install(task: Task, policy: ExactlyOncePolicy) -> Task:
     """Install the commit rule on a task object (idempotent)."""
     if getattr(task, POLICY_ATTRIBUTE, None) is not None:
         return task
+    ack_only_with_a_verdict(task)
     # With autoretry_for, Celery has already wrapped run; the original is _orig_run.
     attribute = "_orig_run" if "_orig_run" in vars(task) else "run"
     original = getattr(task, attribute)

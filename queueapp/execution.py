@@ -56,6 +56,11 @@ def will_autoretry(task, exc: BaseException, retries: int) -> bool:
     return max_retries is None or retries < max_retries
 
 
+#: Set on a body's exception that may be acked: its failure for good is in the database, or
+#: Celery's ``autoretry_for`` turns it into a retry, whose message carries the key on.
+ACKABLE = "_queueapp_ackable"
+
+
 def execute(
     task,
     key: str,
@@ -70,27 +75,39 @@ def execute(
     or deferred delivery returns ``None``. Either way the delivery is acked
     normally: a deferred one was already requeued with a new token, so its
     late ack is refused by the broker as stale.
+
+    Whatever leaves this function is safe to ack, or says not to: an exception
+    goes out as itself only once its verdict is in the database (a failure for
+    good), as :class:`~celery.exceptions.Retry` (the retry message carries the
+    key on), or as a :class:`~celery.exceptions.Reject`; anything else (the
+    database or the broker gone while the verdict was written, a soft time
+    limit in the middle of it) becomes ``Reject(requeue=True)``, so Celery
+    never acks a delivery whose key has no verdict.
     """
     delivery = delivery or DeliveryInfo.from_request(task.request, task.name)
-    args_list, kwargs_dict = list(args), dict(kwargs)
+    try:
+        return _execute(task, key, body, list(args), dict(kwargs), delivery)
+    except (Reject, Retry):
+        raise
+    except Exception as exc:
+        if getattr(exc, ACKABLE, False):
+            raise
+        detail = f"no verdict recorded for {key}: {exc!r}"
+        logger.warning("delivery of %s [%s] given back: %s", task.name, key, detail)
+        raise Reject(detail, requeue=True) from exc
 
+
+def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, delivery: DeliveryInfo):
     cached = cache.succeeded(key)
     if cached is not None:
-        logger.info("suppressed duplicate of %s [%s] (cache): already succeeded", task.name, key)
-        if conf.get("AUDIT_CACHED_DUPLICATES"):
-            try:
-                ledger.record_cached_duplicate(key, delivery)
-            except DatabaseError as exc:
-                logger.warning("could not log the cached duplicate of %s: %r", key, exc)
+        _audit_cached_duplicate(task, key, delivery)
         return cached.result
-
     try:
         decision = ledger.claim(
-            key, delivery, args=args_list, kwargs=kwargs_dict, lease_seconds=conf.lease_timeout(task.app)
+            key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)
         )
     except DatabaseError as exc:
         return _database_unavailable(task, key, delivery, exc)
-
     if isinstance(decision, ledger.Suppressed):
         logger.info("suppressed duplicate of %s [%s]: key already %s", task.name, key, decision.status)
         if decision.status == ledger.Status.SUCCEEDED:
@@ -99,10 +116,22 @@ def execute(
         return None
     if isinstance(decision, ledger.Outranked):
         return _outranked(task, key, delivery, decision)
+    return _run_claimed(task, decision, body, delivery)
 
-    claim = decision
+
+def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
+    logger.info("suppressed duplicate of %s [%s] (cache): already succeeded", task.name, key)
+    if conf.get("AUDIT_CACHED_DUPLICATES"):
+        try:
+            ledger.record_cached_duplicate(key, delivery)
+        except DatabaseError as exc:
+            logger.warning("could not log the cached duplicate of %s: %r", key, exc)
+
+
+def _run_claimed(task, claim: ledger.Claim, body: Callable[[], Any], delivery: DeliveryInfo) -> Any:
+    """Run the body of a claimed delivery and commit; every way out leaves a verdict or gives it back."""
     context = ExactlyOnceContext(
-        key=key,
+        key=claim.key,
         token=claim.token,
         token_source=claim.token_source,
         attempt=claim.attempt,
@@ -113,7 +142,9 @@ def execute(
     try:
         return ledger.commit(claim, body)
     except DeliveryRefused as refusal:
-        logger.warning("delivery of %s [%s] refused, nothing committed: %s", task.name, key, refusal.detail)
+        logger.warning(
+            "delivery of %s [%s] refused, nothing committed: %s", task.name, claim.key, refusal.detail
+        )
         _record(ledger.record_refusal, claim, refusal)
         return None
     except Retry as exc:
@@ -123,23 +154,28 @@ def execute(
         # The database went away while the body ran or committed. Whether the commit landed is
         # for the row to say: the delivery goes back, and the next one is suppressed or runs.
         _record(ledger.record_failure, claim, exc, retrying=True)
-        return _database_unavailable(task, key, delivery, exc)
+        return _database_unavailable(task, claim.key, delivery, exc)
     except Reject as exc:
         _record(ledger.record_failure, claim, exc, retrying=bool(exc.requeue))
         raise
     except Exception as exc:
-        _record(ledger.record_failure, claim, exc, retrying=will_autoretry(task, exc, delivery.retries))
+        retrying = will_autoretry(task, exc, delivery.retries)
+        if not _record(ledger.record_failure, claim, exc, retrying=retrying) and not retrying:
+            raise Reject(f"the failure of {claim.key} could not be recorded: {exc!r}", requeue=True) from exc
+        setattr(exc, ACKABLE, True)
         raise
     finally:
         deactivate(reset)
 
 
-def _record(writer, *args, **kwargs) -> None:
-    """Write a verdict without masking the exception being handled if the database fails too."""
+def _record(writer, *args, **kwargs) -> bool:
+    """Write a verdict without masking the exception being handled; whether it was written."""
     try:
         writer(*args, **kwargs)
     except DatabaseError as exc:
         logger.error("could not record the verdict of an exactly-once delivery: %r", exc)
+        return False
+    return True
 
 
 def _outranked(task, key: str, delivery: DeliveryInfo, outranked: ledger.Outranked) -> None:
@@ -175,8 +211,10 @@ def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseE
 
     The wait doubles with each delivery of the message, up to ``DEFER_MAX_DELAY``;
     counted, so that a database that stays down ends in the dead-letter set
-    (visible, revivable) instead of a loop. Without the fenced transport the
-    error propagates as Celery's own failure handling would have it.
+    (visible, revivable) instead of a loop. If the broker cannot take it back
+    either (unreachable, or not fenced://), the delivery is rejected for
+    redelivery: never acked, so the message stays in the broker, leased until
+    its lease runs out if even the reject cannot reach Redis.
     """
     floor = (delivery.token or 0) + 1
     delay = min(
@@ -188,4 +226,6 @@ def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseE
     if deferral is broker.Deferral.DEFERRED:
         logger.warning("database unavailable for %s [%s]: delivery given back (%r)", task.name, key, exc)
         return None
-    raise exc
+    detail = f"database unavailable and the broker could not take the delivery back: {exc!r}"
+    logger.warning("delivery of %s [%s] rejected for redelivery: %s", task.name, key, detail)
+    raise Reject(detail, requeue=True) from exc

@@ -1,17 +1,18 @@
 """The database side of the commit rule: every read and write of the idempotency records.
 
-Two transactions per delivery that runs:
+Two transactions per delivery that runs, one of them synchronous:
 
 1. :func:`claim` locks the key's outcome row and, if the delivery's token is
    higher than any the database has seen, marks the row *running* with that
    token and commits at once, so an older delivery still in flight will be
-   refused when it tries to commit.
+   refused when it tries to commit. On PostgreSQL that commit does not wait
+   for its own WAL flush (see :func:`_without_own_flush` for why that is safe).
 2. :func:`commit` runs the body in a transaction and, in that same
    transaction, marks the success by an update that is conditional on the
-   token still being the row's (under ``select_for_update`` on databases that
-   have row locks; SQLite's ``IMMEDIATE`` transactions hold the write lock).
-   If the condition fails, :class:`~queueapp.errors.DeliveryRefused` rolls the
-   body's writes back.
+   token still being the row's (PostgreSQL's ``UPDATE`` takes the row lock
+   and re-checks the condition; SQLite's ``IMMEDIATE`` transactions hold the
+   write lock). If the condition fails, :class:`~queueapp.errors.DeliveryRefused`
+   rolls the body's writes back.
 
 Every later write to an outcome row is conditional on the writer's token, so a
 delivery that lost the key can never overwrite the state of the one that owns it.
@@ -33,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import transaction
+from django.db import connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -116,19 +117,24 @@ def ensure_queued(
     task_id: str = "",
     eta: datetime | None = None,
 ) -> None:
-    """Record a publish: create the outcome row as *queued* unless the key has one already."""
-    with transaction.atomic(using=_db()):
-        TaskOutcome.objects.using(_db()).get_or_create(
-            idempotency_key=key,
-            defaults={
-                "task_name": task_name,
-                "args": list(args),
-                "kwargs": dict(kwargs),
-                "queue": queue,
-                "task_id": task_id,
-                "eta": eta,
-            },
-        )
+    """Record a publish: create the outcome row as *queued* unless the key has one already.
+
+    One ``INSERT ... ON CONFLICT DO NOTHING`` (SQLite: ``INSERT OR IGNORE``), not
+    a read then a write in a transaction of its own: the publish pays one statement.
+    """
+    now = timezone.now()
+    row = TaskOutcome(
+        idempotency_key=key,
+        task_name=task_name,
+        args=list(args),
+        kwargs=dict(kwargs),
+        queue=queue,
+        task_id=task_id,
+        eta=eta,
+        queued_at=now,
+        updated_at=now,
+    )
+    TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
 
 
 def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:
@@ -154,6 +160,7 @@ def claim(
     now = timezone.now()
     db = _db()
     with transaction.atomic(using=db):
+        _without_own_flush(db)
         outcome, _ = (
             TaskOutcome.objects.using(db)
             .select_for_update()
@@ -215,6 +222,23 @@ def claim(
     return Claim(key, outcome.pk, token, source, log.pk, outcome.attempts)
 
 
+def _without_own_flush(db: str) -> None:
+    """Let the claim's commit return before its WAL is flushed (PostgreSQL; inside the transaction).
+
+    Safe because nothing durable depends on a claim until a synchronous commit
+    after it: the success commit of this delivery (or of any other) is
+    synchronous, and PostgreSQL flushes the WAL in order, so it flushes the claim
+    with it. A claim lost in a database crash was followed by no synchronous
+    commit; every transaction in flight died with the crash too, so an older
+    delivery cannot use the lost claim's absence to commit: the next delivery
+    claims again. The claim is visible to other transactions at once, as any commit.
+    """
+    connection = connections[db]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit = off")
+
+
 def _refusal(claim: Claim, status: str, token: int) -> DeliveryRefused | None:
     """Why ``claim`` may not commit given the row's current state, or ``None`` if it may."""
     if token != claim.token:
@@ -240,11 +264,9 @@ def commit(claim: Claim, body: Callable[[], Any]) -> Any:
             raise refusal
         result = body()
         stored = jsonable(result)
-        status, token = rows.select_for_update().values_list("status", "fence_token").get()
-        refusal = _refusal(claim, status, token)
-        if refusal is not None:
-            raise refusal
         now = timezone.now()
+        # Conditional on the token: PostgreSQL's UPDATE waits for the row lock and checks the
+        # condition again on the row as committed; SQLite's IMMEDIATE transaction holds the lock.
         updated = rows.filter(fence_token=claim.token, status=Status.RUNNING).update(
             status=Status.SUCCEEDED,
             result=stored,
@@ -255,7 +277,10 @@ def commit(claim: Claim, body: Callable[[], Any]) -> Any:
             updated_at=now,
         )
         if updated != 1:
-            raise DeliveryRefused(Verdict.REFUSED_STALE, "the conditional success update matched no row")
+            status, token = rows.values_list("status", "fence_token").get()
+            raise _refusal(claim, status, token) or DeliveryRefused(
+                Verdict.REFUSED_STALE, "the conditional success update matched no row"
+            )
         TaskDelivery.objects.using(db).filter(pk=claim.log_id).update(
             verdict=Verdict.EXECUTED, finished_at=now
         )

@@ -170,6 +170,7 @@ class TaskDelivery(models.Model):
         DEFERRED = "deferred", _("deferred: token below the database's")
         RETRIED = "retried", _("failed, retry scheduled")
         FAILED = "failed", _("failed")
+        DEAD_LETTERED = "dead_lettered", _("dead-lettered by the broker")
 
     class TokenSource(models.TextChoices):
         BROKER = "broker", _("broker (fenced://)")

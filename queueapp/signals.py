@@ -1,20 +1,26 @@
-"""Celery signal handlers: publish-time bookkeeping and the worker-side outbox relay.
+"""Celery and transport signal handlers: publish-time bookkeeping, the worker's delivery rules,
+dead-lettered messages, and the worker-side outbox relay and reconciliation threads.
 
-Connected once from :meth:`queueapp.apps.QueueappConfig.ready`.
+Connected once from :meth:`queueapp.apps.QueueappConfig.ready` (the models are loaded by then).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from celery import current_app
-from celery.signals import before_task_publish, worker_ready, worker_shutdown
+from celery.signals import before_task_publish, worker_init, worker_ready, worker_shutdown
 from django.db import DatabaseError, connections
 from django.utils.dateparse import parse_datetime
 
 from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
-from queueapp import conf
+from broker_ext.signals import message_dead_lettered
+from queueapp import conf, dead_letters, ledger
+from queueapp.decorators import ack_only_with_a_verdict, policy_of
+from queueapp.outbox import relay_outbox
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +31,6 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     A retry (``retries > 0``) is an attempt of a key already recorded, and must
     not be deduplicated against its own first publish.
     """
-    from queueapp.decorators import policy_of
-
     if headers is None or not isinstance(body, (list, tuple)) or len(body) < 2:
         return
     task = current_app.tasks.get(sender) if sender else None
@@ -42,8 +46,6 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
         headers[DEDUP_KEY_HEADER] = f"exactly-once:{key}"
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
     if conf.get("RECORD_QUEUED"):
-        from queueapp import ledger
-
         eta = headers.get("eta")
         try:
             ledger.ensure_queued(
@@ -59,51 +61,87 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
             logger.warning("could not record %s [%s] as queued: %r", sender, key, exc)
 
 
-class OutboxRelayThread(threading.Thread):
-    """Relays the outbox every OUTBOX_RELAY_INTERVAL seconds inside a worker's main process."""
+def on_worker_init(sender=None, **_) -> None:
+    """Before the worker consumes: every exactly-once task acks only deliveries that reached a verdict.
 
-    def __init__(self, app) -> None:
-        super().__init__(name="queueapp-outbox-relay", daemon=True)
+    Tasks decorated over the task object got this at install; those decorated
+    under ``@shared_task`` are only known as tasks here.
+    """
+    app = getattr(sender, "app", None) or current_app
+    for task in list(app.tasks.values()):
+        if policy_of(task) is not None:
+            ack_only_with_a_verdict(task)
+
+
+def on_message_dead_lettered(sender=None, notices=(), **_) -> None:
+    """The broker set messages aside in this process: their open outcome rows say *dead* at once.
+
+    If the database cannot be written now, the worker's reconciliation pass
+    (or ``manage.py reconcile``) records it later.
+    """
+    try:
+        dead_letters.record(notices)
+    except DatabaseError as exc:
+        logger.warning("could not record %d dead-lettered messages (reconciled later): %r", len(notices), exc)
+
+
+class PeriodicThread(threading.Thread):
+    """Runs ``work(app)`` every ``interval`` seconds inside a worker's main process, until stopped."""
+
+    def __init__(self, app, name: str, work: Callable[[Any], object], interval: float) -> None:
+        super().__init__(name=f"queueapp-{name}", daemon=True)
         self.app = app
+        self.work = work
+        self.interval = interval
         self.stopping = threading.Event()
 
     def run(self) -> None:
-        from queueapp.outbox import relay_outbox
-
         while not self.stopping.is_set():
             try:
-                relay_outbox(app=self.app)
+                self.work(self.app)
             except Exception as exc:
-                logger.warning("outbox relay pass failed: %r", exc)
+                logger.warning("%s pass failed: %r", self.name, exc)
             finally:
                 connections[conf.get("DATABASE")].close()
-            self.stopping.wait(conf.get("OUTBOX_RELAY_INTERVAL"))
+            self.stopping.wait(self.interval)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping.set()
         self.join(timeout)
 
 
-_relay: OutboxRelayThread | None = None
+_threads: list[PeriodicThread] = []
 
 
 def on_worker_ready(sender=None, **_) -> None:
-    global _relay
-    if not conf.get("OUTBOX_WORKER_RELAY") or _relay is not None:
+    """Start the worker's outbox relay and dead-letter reconciliation threads (once per process)."""
+    if _threads:
         return
     app = getattr(sender, "app", None) or current_app
-    _relay = OutboxRelayThread(app)
-    _relay.start()
+    if conf.get("OUTBOX_WORKER_RELAY"):
+        _threads.append(
+            PeriodicThread(
+                app, "outbox-relay", lambda a: relay_outbox(app=a), conf.get("OUTBOX_RELAY_INTERVAL")
+            )
+        )
+    if conf.get("RECONCILE_INTERVAL"):
+        _threads.append(
+            PeriodicThread(app, "reconcile", dead_letters.reconcile, conf.get("RECONCILE_INTERVAL"))
+        )
+    for thread in _threads:
+        thread.start()
 
 
 def on_worker_shutdown(**_) -> None:
-    global _relay
-    if _relay is not None:
-        _relay.stop()
-        _relay = None
+    while _threads:
+        _threads.pop().stop()
 
 
 def connect() -> None:
     before_task_publish.connect(on_before_task_publish, weak=False, dispatch_uid="queueapp.before_publish")
+    worker_init.connect(on_worker_init, weak=False, dispatch_uid="queueapp.worker_init")
     worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="queueapp.worker_ready")
     worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="queueapp.worker_shutdown")
+    message_dead_lettered.connect(
+        on_message_dead_lettered, weak=False, dispatch_uid="queueapp.message_dead_lettered"
+    )

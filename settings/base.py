@@ -61,7 +61,10 @@ WSGI_APPLICATION = "settings.wsgi.application"
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"),
-        conn_max_age=0,
+        # Persistent connections: a worker reuses its connection across tasks (a new one per task
+        # costs more than the task's own queries); the health check replaces one that died.
+        conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "600")),
+        conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":

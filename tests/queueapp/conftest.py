@@ -139,3 +139,40 @@ def start_worker(fenced_url, redis_server, redis_db, tmp_path) -> Iterator[Calla
     yield start
     for worker in workers:
         worker.stop()
+
+
+@pytest.fixture
+def hanging_database() -> Iterator[str]:
+    """A ``DATABASE_URL`` whose server accepts the TCP connection and never answers (a hung database).
+
+    Each connect waits for its ``connect_timeout`` (3 s, libpq's floor is 2 s)
+    and then fails with ``OperationalError``, as a database host behind a
+    dropped route does.
+    """
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stopping = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stopping.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            held.append(conn)
+
+    thread = threading.Thread(target=accept, name="hanging-database", daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    yield f"postgres://postgres@127.0.0.1:{port}/hung?connect_timeout=3"
+    stopping.set()
+    thread.join(5)
+    listener.close()
+    for conn in held:
+        conn.close()

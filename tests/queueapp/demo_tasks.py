@@ -118,3 +118,16 @@ def refund(order_id: int) -> int:
     """With a dedup window: the broker drops a second publish of the same order."""
     record_effect(f"refund:{order_id}")
     return order_id
+
+
+@exactly_once
+@shared_task
+def loses_its_database(label: str, go_file: str) -> None:
+    """Writes its effect, waits for ``go_file``, then has PostgreSQL end its own session mid-body."""
+    record_effect(label)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    record_effect(f"{label}: never")

@@ -1,0 +1,174 @@
+"""The outcome rows learn that the broker dead-lettered their message, and why.
+
+A message the fenced transport sets aside (past ``max_deliveries`` or
+``max_interruptions``, malformed, oversized, rejected, an operator's action)
+will never be delivered again unless someone revives it. Its outcome row would
+otherwise stay *queued* or *running* until ``STUCK_AFTER`` calls it stuck.
+
+Two ways in, both idempotent and both conditional on the row not having moved
+on (a newer delivery's token, a success, a verdict of its own):
+
+* :func:`record` is connected to :data:`broker_ext.signals.message_dead_lettered`,
+  which the transport sends in the process that dead-lettered (the worker, its
+  lease keeper, a management command, the admin): the row is *dead* within the
+  same second, with the reason in its ``error`` and a *dead-lettered* line in
+  its delivery log.
+* :func:`reconcile` is the pass for what could not be recorded at once (the
+  database was down at that moment, or another process without queueapp did
+  it): it looks up where the broker holds the message of every row still
+  *queued* or *running* and marks those whose message is dead-lettered. Each
+  worker runs it every ``RECONCILE_INTERVAL`` seconds; ``manage.py reconcile``
+  runs it once.
+
+A revive (the admin's *requeue*, ``manage.py requeue``) reopens the row first,
+so a revived message runs as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from broker_ext.records import MessageState, Place
+from broker_ext.signals import DeadLetterNotice
+from queueapp import conf
+from queueapp.broker import fenced_channel
+from queueapp.models import TaskDelivery, TaskOutcome
+
+logger = logging.getLogger(__name__)
+
+Status = TaskOutcome.Status
+OPEN = (Status.QUEUED, Status.RUNNING)
+
+
+@dataclass
+class ReconcileReport:
+    """What one reconciliation pass found and did."""
+
+    examined: int = 0
+    marked_dead: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"examined": self.examined, "marked_dead": len(self.marked_dead), "keys": self.marked_dead}
+
+
+def _split(message_id: str) -> tuple[str, int]:
+    """``(task id, retry number)`` of a Celery message id ``<task id>.<retries>``."""
+    stem, _, suffix = message_id.rpartition(".")
+    return (stem, int(suffix)) if stem and suffix.isdigit() else (message_id, 0)
+
+
+def _names(outcome: TaskOutcome, message_id: str) -> bool:
+    """Whether ``message_id`` is the message carrying ``outcome``'s key (not an older attempt's)."""
+    task_id, retry = _split(message_id)
+    if outcome.message_id == message_id:
+        return True
+    if outcome.task_id != task_id:
+        return False
+    return not outcome.message_id or _split(outcome.message_id)[1] <= retry
+
+
+def _mark_dead(outcome: TaskOutcome, message_id: str, queue: str, reason: str) -> bool:
+    """``outcome`` -> *dead* with ``reason``, unless it moved on since it was read."""
+    db = conf.get("DATABASE")
+    now = timezone.now()
+    with transaction.atomic(using=db):
+        marked = (
+            TaskOutcome.objects.using(db)
+            .filter(pk=outcome.pk, status=outcome.status, fence_token=outcome.fence_token)
+            .update(
+                status=Status.DEAD,
+                error=f"dead-lettered by the broker: {reason}",
+                message_id=message_id[:255],
+                lease_deadline=None,
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        if marked:
+            TaskDelivery.objects.using(db).create(
+                outcome_id=outcome.pk,
+                fence_token=outcome.fence_token,
+                verdict=TaskDelivery.Verdict.DEAD_LETTERED,
+                detail=reason,
+                task_id=_split(message_id)[0][:255],
+                message_id=message_id[:255],
+                queue=queue[:255],
+                started_at=now,
+                finished_at=now,
+            )
+    if marked:
+        logger.warning("%s [%s] is dead: its message %s was dead-lettered (%s)",
+                       outcome.task_name, outcome.idempotency_key, message_id, reason)  # fmt: skip
+    return bool(marked)
+
+
+def record(notices: Iterable[DeadLetterNotice]) -> list[str]:
+    """Mark the open outcome rows of dead-lettered messages *dead*; returns their keys."""
+    notices = list(notices)
+    if not notices:
+        return []
+    task_ids = {_split(notice.message_id)[0] for notice in notices}
+    message_ids = {notice.message_id for notice in notices}
+    rows = list(
+        TaskOutcome.objects.using(conf.get("DATABASE")).filter(
+            Q(message_id__in=message_ids) | Q(task_id__in=task_ids), status__in=OPEN
+        )
+    )
+    marked = []
+    for notice in notices:
+        for outcome in rows:
+            if _names(outcome, notice.message_id) and _mark_dead(
+                outcome, notice.message_id, notice.queue, notice.reason
+            ):
+                marked.append(outcome.idempotency_key)
+    return marked
+
+
+def candidates(outcome: TaskOutcome) -> list[str]:
+    """The message ids that may carry an open row's key: its latest, and the retry it queued."""
+    ids = []
+    if outcome.message_id:
+        ids.append(outcome.message_id)
+    if outcome.task_id:
+        ids.append(f"{outcome.task_id}.{outcome.retries}")
+        if outcome.status == Status.QUEUED and outcome.attempts:
+            ids.append(f"{outcome.task_id}.{outcome.retries + 1}")  # A retry was published.
+    return list(dict.fromkeys(ids))
+
+
+def _verdict(states: list[MessageState]) -> MessageState | None:
+    """The dead-lettered state among a row's messages, if none of them is live."""
+    if any(state.in_broker and state.place is not Place.DEAD for state in states):
+        return None
+    dead = [state for state in states if state.place is Place.DEAD]
+    return dead[-1] if dead else None
+
+
+def reconcile(app, *, limit: int = 1000) -> ReconcileReport:
+    """Mark *dead* the open rows (oldest first, at most ``limit``) whose message the broker dead-lettered."""
+    report = ReconcileReport()
+    rows = list(
+        TaskOutcome.objects.using(conf.get("DATABASE")).filter(status__in=OPEN).order_by("updated_at")[:limit]
+    )
+    report.examined = len(rows)
+    if not rows:
+        return report
+    by_queue: dict[str, list[TaskOutcome]] = {}
+    for outcome in rows:
+        by_queue.setdefault(outcome.queue or app.conf.task_default_queue, []).append(outcome)
+    with fenced_channel(app) as channel:
+        for name, group in by_queue.items():
+            found = channel.fenced_queue(name).locate([mid for row in group for mid in candidates(row)])
+            for outcome in group:
+                dead = _verdict([found[mid] for mid in candidates(outcome)])
+                if dead is not None and _mark_dead(
+                    outcome, dead.message_id, name, dead.reason or "dead-lettered"
+                ):
+                    report.marked_dead.append(outcome.idempotency_key)
+    return report
