@@ -46,6 +46,16 @@ def test_fault_kinds_parse_from_the_command_line_and_unknown_ones_are_refused():
         parse_kinds("master-kill")
 
 
+def test_cluster_and_sentinel_topologies_exclude_each_other():
+    from lab.faultlab.runner import LabConfig, topology_class
+    from lab.faultlab.topology import SentinelRedis
+
+    assert topology_class(LabConfig(sentinel=True)) is SentinelRedis
+    assert FaultKind.MASTER_KILL in SentinelRedis.kinds
+    with pytest.raises(FaultLabError, match="exclude each other"):
+        topology_class(LabConfig(cluster=True, sentinel=True))
+
+
 def test_the_clock_shim_moves_time_in_modules_that_imported_it_by_name():
     from kombu.transport import redis as kombu_redis
 
@@ -162,3 +172,23 @@ def test_a_short_fenced_fault_lab_run_loses_nothing_and_doubles_nothing(tmp_path
     assert report["malformed"] == {"injected": 3, "dead_lettered": 3}
     assert report["settlement"] == "settled"
     assert (tmp_path / "faultlab" / report["config"]["run_dir"].rsplit("/", 1)[1] / "report.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_lab_run_on_sentinel_follows_master_kills_and_fenced_loses_and_doubles_nothing(tmp_path):
+    """Both brokers on a Sentinel group (stock through Kombu's sentinel://): two master kills each."""
+    env = {**os.environ, "QUEUEAPP_VAR_DIR": str(tmp_path)}
+    env.pop("DATABASE_URL", None)
+    command = [sys.executable, "manage.py", "faultlab", "--json", "--sentinel", "--broker", "both"]
+    command += ["--tasks", "100", "--seconds", "12", "--lease", "3", "--faults", "master-kill"]
+    command += ["--per-kind", "2", "--seed", "5"]
+    stdout, stderr, returncode = run_command(command, env, timeout=240)
+    assert returncode == 0, stderr[-3000:] + stdout[-3000:]
+    report = json.loads(stdout)
+    assert report["config"]["topology"].startswith("Redis Sentinel")
+    for broker in ("fenced", "stock"):
+        assert report[broker]["faults"] == {"master-kill": 2}, report[broker]["fault_log"]
+    fenced = report["fenced"]
+    assert fenced["ok"] and fenced["lost"] == 0 and fenced["double_effects"] == 0, fenced["violations"]
+    assert fenced["effects"] == fenced["tasks"] - fenced["dead_lettered"]
