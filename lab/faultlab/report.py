@@ -16,8 +16,8 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.faultlab.checker import Verdict
+from lab.faultlab.registry import DESCRIPTIONS, FaultKind
 from lab.faultlab.runner import LabResult
-from lab.faultlab.schedule import DESCRIPTIONS, FaultKind
 
 
 def as_json(result: LabResult) -> dict:

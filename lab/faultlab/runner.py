@@ -23,10 +23,12 @@ from django.db import connections
 from lab.errors import FaultLabError, RunInterrupted
 from lab.faultlab import database, recorder
 from lab.faultlab.checker import Verdict, check
-from lab.faultlab.faults import FaultInjector, LabContext
+from lab.faultlab.faults import LabContext
 from lab.faultlab.fleet import Fleet
 from lab.faultlab.history import History
-from lab.faultlab.schedule import FaultKind, ScheduledFault, build_schedule
+from lab.faultlab.injector import FaultInjector
+from lab.faultlab.registry import FaultKind
+from lab.faultlab.schedule import ScheduledFault, build_schedule
 from lab.faultlab.topology import ClusterRedis, SentinelRedis, SingleRedis, Topology
 from lab.faultlab.workload import Publisher
 from lab.processes import database_url_for_workers

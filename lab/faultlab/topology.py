@@ -25,7 +25,7 @@ from redis.sentinel import Sentinel
 
 from broker_ext.keys import QueueKeys
 from lab.errors import FaultLabError
-from lab.faultlab.schedule import SINGLE_SERVER_KINDS, FaultKind
+from lab.faultlab.registry import CLUSTER, SENTINEL, SINGLE, FaultKind, kinds_on
 from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
@@ -35,7 +35,7 @@ class Topology(ABC):
 
     #: Shown in the report.
     name = ""
-    #: Fault kinds this topology can take.
+    #: Fault kinds this topology can take (each kind says where it runs, in the registry).
     kinds: tuple[FaultKind, ...] = ()
     #: Whether clients can be routed through the fault proxy.
     proxied = False
@@ -92,7 +92,7 @@ class SingleRedis(Topology):
     """One private ``redis-server`` with AOF (``appendfsync always``) and ``noeviction``."""
 
     name = "single Redis"
-    kinds = SINGLE_SERVER_KINDS
+    kinds = kinds_on(SINGLE)
     proxied = True
 
     def __init__(self, directory: Path) -> None:
@@ -140,16 +140,7 @@ class ClusterRedis(Topology):
     """A local Redis Cluster on loopback: 3 masters with a replica each; a master can be killed."""
 
     name = "Redis Cluster (3 masters, 3 replicas)"
-    kinds = (
-        FaultKind.KILL,
-        FaultKind.WARM_SHUTDOWN,
-        FaultKind.LONG_TASK,
-        FaultKind.ETA,
-        FaultKind.CLOCK_SKEW,
-        FaultKind.POOL_EXHAUSTED,
-        FaultKind.MALFORMED,
-        FaultKind.MASTER_KILL,
-    )
+    kinds = kinds_on(CLUSTER)
 
     def __init__(self) -> None:
         self.cluster = RedisCluster(masters=3, replicas=1)
@@ -226,7 +217,7 @@ class SentinelRedis(Topology):
     """
 
     name = "Redis Sentinel (master, replica, 3 sentinels)"
-    kinds = ClusterRedis.kinds
+    kinds = kinds_on(SENTINEL)
     master_name = "faultlab"
 
     def __init__(self) -> None:

@@ -21,7 +21,8 @@ from broker_ext.records import OutgoingMessage
 from lab.errors import FaultLabError
 from lab.faultlab import clock
 from lab.faultlab.recorder import fenced_end, stock_end
-from lab.faultlab.schedule import SINGLE_SERVER_KINDS, FaultKind, build_schedule, parse_kinds
+from lab.faultlab.registry import SINGLE_SERVER_KINDS, FaultKind
+from lab.faultlab.schedule import build_schedule, parse_kinds
 from lab.faultlab.workload import error_name
 from lab.processes import REPO
 
