@@ -16,7 +16,10 @@ them. It judges each published task by what actually happened:
 * **commit rule** (exactly-once tasks): an effect needs a *succeeded* record,
   a success needs its effect, and a key commits at most once;
 * **half-written** Redis entries (a body with no state, an id in two sets)
-  are violations: every script must write all or nothing.
+  are violations: every script must write all or nothing;
+* **ledger mismatches** (exactly-once tasks): an outcome row still
+  ``queued`` or ``running`` for a message the broker acked or dead-lettered
+  is a violation: the database must learn every message's fate.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from lab.faultlab.history import History
+from lab.faultlab.history import History, PublishedTask
 
 #: How many affected task ids a verdict lists per category (the counts are always complete).
 EXAMPLES = 10
@@ -47,6 +50,9 @@ class Verdict:
     deferrals: int = 0
     dead_lettered: int = 0
     dead_letter_reasons: dict[str, int] = field(default_factory=dict)
+    dead_letters: dict[str, str] = field(default_factory=dict)
+    ledger_mismatches: int = 0
+    ledger_mismatch_kinds: dict[str, int] = field(default_factory=dict)
     still_queued: dict[str, int] = field(default_factory=lambda: {"ready": 0, "leased": 0, "delayed": 0})
     unconfirmed_publishes: int = 0
     malformed: dict[str, int] = field(default_factory=dict)
@@ -85,6 +91,9 @@ class Verdict:
             "deferrals": self.deferrals,
             "dead_lettered": self.dead_lettered,
             "dead_letter_reasons": dict(self.dead_letter_reasons),
+            "dead_letters": dict(self.dead_letters),
+            "ledger_mismatches": self.ledger_mismatches,
+            "ledger_mismatch_kinds": dict(self.ledger_mismatch_kinds),
             "still_queued": dict(self.still_queued),
             "unconfirmed_publishes": self.unconfirmed_publishes,
             "malformed": dict(self.malformed),
@@ -119,52 +128,63 @@ def check(history: History) -> Verdict:
         settlement=history.settlement,
         seconds=history.seconds,
     )
-    redis = history.redis
-    labels = {task.label for task in history.published}
     reasons: Counter[str] = Counter()
     malformed: Counter[str] = Counter()
     verdict.effects = sum(history.effects.values())
-
     for task in history.published:
-        effects = history.effects.get(task.label, 0)
-        reason = redis.dead.get(task.task_id)
         if task.malformed:
-            malformed["injected"] += 1
-            _judge_malformed(verdict, task.task_id, effects, reason, redis.visible(task.task_id), malformed)
-            if reason is not None:
-                reasons[reason_kind(reason)] += 1
-            continue
-        verdict.tasks += 1
-        for place in ("ready", "leased", "delayed"):
-            if task.task_id in getattr(redis, place):
-                verdict.still_queued[place] += 1
-                verdict.example("still_queued", task.task_id)
-        if effects > 1:
-            verdict.double_effects += 1
-            verdict.extra_effects += effects - 1
-            verdict.example("double_effects", task.task_id)
-        elif effects == 0:
-            if reason is not None:
-                verdict.dead_lettered += 1
-                reasons[reason_kind(reason)] += 1
-                verdict.example("dead_lettered", task.task_id)
-                if not reason.strip():
-                    verdict.violations.append(f"{task.task_id} was dead-lettered without a reason")
-            elif redis.visible(task.task_id):
-                continue
-            elif not task.accepted:
-                verdict.unconfirmed_publishes += 1
-                verdict.example("unconfirmed_publishes", task.task_id)
-            else:
-                verdict.lost += 1
-                verdict.example("lost", task.task_id)
-
+            _judge_malformed(verdict, task, history, malformed, reasons)
+        else:
+            _judge_task(verdict, task, history, reasons)
     _check_commit_rule(verdict, history)
-    phantom = sorted(set(history.effects) - labels)
-    for label in phantom:
+    _check_ledger(verdict, history)
+    verdict.dead_letter_reasons = dict(reasons)
+    verdict.malformed = dict(malformed)
+    _add_violations(verdict, history, malformed)
+    return verdict
+
+
+def _judge_task(verdict: Verdict, task: PublishedTask, history: History, reasons: Counter) -> None:
+    """One plain task: still queued, doubled, dead-lettered, unconfirmed, or lost."""
+    redis = history.redis
+    effects = history.effects.get(task.label, 0)
+    reason = redis.dead.get(task.task_id)
+    verdict.tasks += 1
+    for place in ("ready", "leased", "delayed"):
+        if task.task_id in getattr(redis, place):
+            verdict.still_queued[place] += 1
+            verdict.example("still_queued", task.task_id)
+    if effects > 1:
+        verdict.double_effects += 1
+        verdict.extra_effects += effects - 1
+        verdict.example("double_effects", task.task_id)
+    elif effects:
+        return
+    elif reason is not None:
+        verdict.dead_lettered += 1
+        reasons[reason_kind(reason)] += 1
+        verdict.example("dead_lettered", task.task_id)
+        if len(verdict.dead_letters) < EXAMPLES:
+            verdict.dead_letters[task.task_id] = reason
+        if not reason.strip():
+            verdict.violations.append(f"{task.task_id} was dead-lettered without a reason")
+    elif redis.visible(task.task_id):
+        return
+    elif not task.accepted:
+        verdict.unconfirmed_publishes += 1
+        verdict.example("unconfirmed_publishes", task.task_id)
+    else:
+        verdict.lost += 1
+        verdict.example("lost", task.task_id)
+
+
+def _add_violations(verdict: Verdict, history: History, malformed: Counter) -> None:
+    """The run-wide violations, after every task was judged."""
+    labels = {task.label for task in history.published}
+    for label in sorted(set(history.effects) - labels):
         verdict.violations.append(f"effect for {label!r}, which the run never published")
-    verdict.half_written = len(redis.half_written)
-    verdict.violations += [f"half-written in Redis: {entry}" for entry in redis.half_written]
+    verdict.half_written = len(history.redis.half_written)
+    verdict.violations += [f"half-written in Redis: {entry}" for entry in history.redis.half_written]
     if verdict.lost:
         verdict.violations.append(f"{verdict.lost} task(s) lost: no effect, not dead-lettered, not in Redis")
     if verdict.double_effects:
@@ -173,23 +193,59 @@ def check(history: History) -> Verdict:
         )
     if malformed["gone"]:
         verdict.violations.append(f"{malformed['gone']} malformed message(s) gone without a reason")
-    verdict.dead_letter_reasons = dict(reasons)
-    verdict.malformed = dict(malformed)
-    return verdict
+    if verdict.ledger_mismatches:
+        kinds = _mapping_text(verdict.ledger_mismatch_kinds)
+        verdict.violations.append(
+            f"{verdict.ledger_mismatches} outcome row(s) disagree with the broker ({kinds})"
+        )
+
+
+def _mapping_text(values: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count}" for name, count in sorted(values.items()))
+
+
+#: Outcome statuses that say the work is still to be done: the broker must still hold the message.
+UNFINISHED = frozenset({"queued", "running"})
+
+
+def _check_ledger(verdict: Verdict, history: History) -> None:
+    """An outcome row ``queued``/``running`` for a message the broker acked or dead-lettered is a mismatch.
+
+    The workers are stopped when the history is recorded, so nothing is in
+    progress: such a row says the database never learnt the message's fate
+    (an ack without a verdict loses the task; a dead letter the row does not
+    show hides it from whoever reads the database).
+    """
+    kinds: Counter[str] = Counter()
+    for task in history.published:
+        outcome = history.outcomes.get(task.task_id)
+        if outcome is None or outcome.status not in UNFINISHED or not task.accepted:
+            continue
+        if history.redis.visible(task.task_id):
+            continue
+        fate = "dead-lettered" if task.task_id in history.redis.dead else "acked"
+        kinds[f"{outcome.status} but {fate}"] += 1
+        verdict.example("ledger_mismatches", task.task_id)
+    verdict.ledger_mismatches = sum(kinds.values())
+    verdict.ledger_mismatch_kinds = dict(kinds)
 
 
 def _judge_malformed(
-    verdict: Verdict, task_id: str, effects: int, reason: str | None, visible: bool, malformed: Counter
+    verdict: Verdict, task: PublishedTask, history: History, malformed: Counter, reasons: Counter
 ) -> None:
+    """A malformed message must be dead-lettered with a reason, still visible, or (stock) have run."""
+    reason = history.redis.dead.get(task.task_id)
+    malformed["injected"] += 1
     if reason is not None:
         malformed["dead_lettered"] += 1
-    elif visible:
+        reasons[reason_kind(reason)] += 1
+    elif history.redis.visible(task.task_id):
         malformed["still_queued"] += 1
-    elif effects:
+    elif history.effects.get(task.label, 0):
         malformed["ran"] += 1
     else:
         malformed["gone"] += 1
-        verdict.example("malformed_gone", task_id)
+        verdict.example("malformed_gone", task.task_id)
 
 
 def _check_commit_rule(verdict: Verdict, history: History) -> None:

@@ -1,34 +1,34 @@
-"""Injecting the scheduled faults into a live run, each in its own bounded thread, each counted.
+"""The injectors of the basic fault kinds: what the lab does to a live run, each bounded, each counted.
 
-:class:`FaultInjector` waits for each :class:`~lab.faultlab.schedule.ScheduledFault`'s
-time and runs its injector in a thread of its own, so a slow fault (a warm
-shutdown waiting for its task) does not delay the others. Faults on the Redis
-server take turns (one lock), faults on one worker slot take turns (the
-slot's lock). Every wait is bounded and ends early when the run stops; a
-paused Redis is always resumed and a filled one always emptied, also on
-errors and Ctrl-C.
+Each injector takes the run's :class:`LabContext` and the scheduled fault and
+returns what it did, in a sentence for the report; the kinds are declared in
+:mod:`~lab.faultlab.registry` and scheduled by :mod:`~lab.faultlab.injector`.
+Faults on the Redis server take turns (the context's ``redis_lock``), faults
+on one worker slot take turns (the slot's lock). Every wait is bounded and
+ends early when the run stops; a paused Redis is always resumed and a filled
+one always emptied, also on errors and Ctrl-C.
 """
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from django.db import connections
 
 from lab.faultlab import database
-from lab.faultlab.fleet import Fleet
-from lab.faultlab.schedule import FaultKind, ScheduledFault
-from lab.faultlab.topology import Topology
 from lab.faultlab.workload import Publisher, inject_malformed, publish_burst
-from lab.proxy import FaultProxy
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from lab.faultlab.fleet import Fleet
+    from lab.faultlab.schedule import ScheduledFault
+    from lab.faultlab.topology import Topology
+    from lab.proxy import FaultProxy
 
 #: Seconds a victim task sleeps after writing its effect: the window a kill or a shutdown hits.
 VICTIM_SLEEP = 1.5
@@ -61,7 +61,7 @@ class LabContext:
     redis_lock: threading.Lock = field(default_factory=threading.Lock)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def note(self, kind: FaultKind, detail: str, *, failed: bool = False) -> None:
+    def note(self, kind: str, detail: str, *, failed: bool = False) -> None:
         with self.lock:
             self.log.append(
                 {"at": round(time.monotonic() - self.started_at, 1), "kind": str(kind), "detail": detail}
@@ -277,67 +277,3 @@ def malformed(context: LabContext, fault: ScheduledFault) -> str:
 def master_kill(context: LabContext, fault: ScheduledFault) -> str:
     with context.redis_lock:
         return context.topology.kill_master(context.generator)
-
-
-INJECTORS: dict[FaultKind, Callable[[LabContext, ScheduledFault], str]] = {
-    FaultKind.KILL: kill,
-    FaultKind.WARM_SHUTDOWN: warm_shutdown,
-    FaultKind.LONG_TASK: long_task,
-    FaultKind.ETA: eta,
-    FaultKind.PROXY_DROP: proxy_drop,
-    FaultKind.PROXY_DELAY: proxy_delay,
-    FaultKind.PROXY_LOST_REPLY: proxy_lost_reply,
-    FaultKind.REDIS_PAUSE: redis_pause,
-    FaultKind.REDIS_RESTART: redis_restart,
-    FaultKind.CLOCK_SKEW: clock_skew,
-    FaultKind.REDIS_FULL: redis_full,
-    FaultKind.POOL_EXHAUSTED: pool_exhausted,
-    FaultKind.MALFORMED: malformed,
-    FaultKind.MASTER_KILL: master_kill,
-}
-
-
-class FaultInjector:
-    """Runs a schedule against a live run: one coordinator thread, one thread per fault."""
-
-    def __init__(self, context: LabContext, schedule: list[ScheduledFault]) -> None:
-        self.context = context
-        self.schedule = schedule
-        self._threads: list[threading.Thread] = []
-        self._coordinator = threading.Thread(target=self._run, name="faultlab-schedule", daemon=True)
-
-    def start(self) -> None:
-        self._coordinator.start()
-
-    def _run(self) -> None:
-        context = self.context
-        for fault in self.schedule:
-            delay = fault.at - (time.monotonic() - context.started_at)
-            if delay > 0 and context.stop.wait(delay):
-                return
-            thread = threading.Thread(
-                target=self._inject, args=(fault,), name=f"faultlab-{fault.kind}-{fault.index}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
-
-    def _inject(self, fault: ScheduledFault) -> None:
-        try:
-            detail = INJECTORS[fault.kind](self.context, fault)
-            self.context.note(fault.kind, detail)
-        except Exception as exc:
-            logger.exception("fault %s #%d failed", fault.kind, fault.index)
-            self.context.note(fault.kind, f"failed: {exc!r}", failed=True)
-        finally:
-            connections.close_all()
-
-    def done(self) -> bool:
-        return not self._coordinator.is_alive() and not any(thread.is_alive() for thread in self._threads)
-
-    def join(self, timeout: float) -> bool:
-        """Wait (bounded) for the schedule and every fault thread; returns whether all ended."""
-        deadline = time.monotonic() + timeout
-        self._coordinator.join(max(0.0, deadline - time.monotonic()))
-        for thread in list(self._threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return self.done()

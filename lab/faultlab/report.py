@@ -16,8 +16,8 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.faultlab.checker import Verdict
+from lab.faultlab.registry import DESCRIPTIONS, FaultKind
 from lab.faultlab.runner import LabResult
-from lab.faultlab.schedule import DESCRIPTIONS, FaultKind
 
 
 def as_json(result: LabResult) -> dict:
@@ -58,6 +58,13 @@ def _absorbed(verdict: Verdict) -> str:
     return str(verdict.broker_counters.get("duplicate_publishes", 0))
 
 
+def _ledger(verdict: Verdict) -> Text | str:
+    if verdict.broker != "fenced":
+        return "(no records)"
+    kinds = f" ({_mapping(verdict.ledger_mismatch_kinds)})" if verdict.ledger_mismatches else ""
+    return _count(verdict.ledger_mismatches, bad=True) + Text(kinds)
+
+
 def _rows(verdict: Verdict) -> list[Text | str]:
     queued = verdict.still_queued
     malformed = verdict.malformed
@@ -74,6 +81,7 @@ def _rows(verdict: Verdict) -> list[Text | str]:
             f"{verdict.dead_lettered} tasks, {malformed.get('dead_lettered', 0)} malformed "
             f"({_mapping(verdict.dead_letter_reasons)})"
         ),
+        _ledger(verdict),
         f"ready {queued['ready']}, leased {queued['leased']}, delayed {queued['delayed']}",
         str(verdict.unconfirmed_publishes),
         (
@@ -99,6 +107,7 @@ ROW_NAMES = [
     "stale commits refused",
     "deliveries deferred (token below the database's)",
     "dead-lettered (reasons)",
+    "outcome rows that disagree with the broker",
     "still in Redis at the end",
     "publishes never confirmed",
     "malformed messages",
@@ -144,6 +153,10 @@ def faults_table(result: LabResult) -> Table:
     return table
 
 
+#: The example categories the report lists by task id (the JSON has them all).
+LISTED = ("lost", "double_effects", "double_commits", "malformed_gone", "ledger_mismatches")
+
+
 def violations(result: LabResult, limit: int = 8) -> Group:
     lines = []
     for broker, verdict in result.verdicts.items():
@@ -160,7 +173,7 @@ def violations(result: LabResult, limit: int = 8) -> Group:
         if len(verdict.violations) > limit:
             lines.append(Text(f"{broker}: ... and {len(verdict.violations) - limit} more (see --json)"))
         for category, ids in verdict.examples.items():
-            if category in ("lost", "double_effects", "double_commits", "malformed_gone"):
+            if category in LISTED:
                 lines.append(Text(f"{broker}: {category}: {', '.join(ids)}", style="dim"))
     return Group(*lines)
 

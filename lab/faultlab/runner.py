@@ -23,11 +23,13 @@ from django.db import connections
 from lab.errors import FaultLabError, RunInterrupted
 from lab.faultlab import database, recorder
 from lab.faultlab.checker import Verdict, check
-from lab.faultlab.faults import FaultInjector, LabContext
+from lab.faultlab.faults import LabContext
 from lab.faultlab.fleet import Fleet
 from lab.faultlab.history import History
-from lab.faultlab.schedule import FaultKind, ScheduledFault, build_schedule
-from lab.faultlab.topology import ClusterRedis, SingleRedis, Topology
+from lab.faultlab.injector import FaultInjector
+from lab.faultlab.registry import FaultKind
+from lab.faultlab.schedule import ScheduledFault, build_schedule
+from lab.faultlab.topology import ClusterRedis, SentinelRedis, SingleRedis, Topology
 from lab.faultlab.workload import Publisher
 from lab.processes import database_url_for_workers
 from lab.proxy import FaultProxy
@@ -85,6 +87,7 @@ class LabConfig:
     queues: int = 2
     oversize: int = 64 * 1024
     cluster: bool = False
+    sentinel: bool = False
 
 
 @dataclass
@@ -110,8 +113,17 @@ def new_run_id(seed: int) -> str:
     return f"fl-{datetime.now(UTC):%Y%m%d-%H%M%S}-s{seed}"
 
 
+def topology_class(config: LabConfig) -> type[Topology]:
+    if config.cluster and config.sentinel:
+        raise FaultLabError("--cluster and --sentinel exclude each other")
+    if config.cluster:
+        return ClusterRedis
+    return SentinelRedis if config.sentinel else SingleRedis
+
+
 def make_topology(config: LabConfig, run_dir: Path, broker: str) -> Topology:
-    return ClusterRedis() if config.cluster else SingleRedis(run_dir / f"redis-{broker}")
+    kind = topology_class(config)
+    return SingleRedis(run_dir / f"redis-{broker}") if kind is SingleRedis else kind()
 
 
 def run_lab(
@@ -139,7 +151,7 @@ def run_lab(
         config,
         run_dir,
         database.describe(),
-        ClusterRedis.name if config.cluster else SingleRedis.name,
+        topology_class(config).name,
         schedule,
     )
     interruption = interruption or Interruption()

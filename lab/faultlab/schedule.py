@@ -1,4 +1,4 @@
-"""The fault kinds the lab injects and the seeded schedule that says when, and to which worker.
+"""The seeded fault schedule: which kinds (as ``--faults`` names them), when, and to which worker.
 
 The same ``--seed`` gives the same schedule (kinds, times, target workers) for
 every broker, so a fenced and a stock run face the same faults. What the live
@@ -10,59 +10,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from enum import StrEnum
 
 from lab.errors import FaultLabError
-
-
-class FaultKind(StrEnum):
-    """One failure vector users report (the DESIGN contract's S1-S8 and the issue's list)."""
-
-    KILL = "kill"
-    WARM_SHUTDOWN = "warm-shutdown"
-    LONG_TASK = "long-task"
-    ETA = "eta"
-    PROXY_DROP = "proxy-drop"
-    PROXY_DELAY = "proxy-delay"
-    PROXY_LOST_REPLY = "proxy-lost-reply"
-    REDIS_PAUSE = "redis-pause"
-    REDIS_RESTART = "redis-restart"
-    CLOCK_SKEW = "clock-skew"
-    REDIS_FULL = "redis-full"
-    POOL_EXHAUSTED = "pool-exhausted"
-    MALFORMED = "malformed"
-    MASTER_KILL = "master-kill"
-
-
-DESCRIPTIONS: dict[FaultKind, str] = {
-    FaultKind.KILL: "SIGKILL a worker while it runs a task, then start it again",
-    FaultKind.WARM_SHUTDOWN: "SIGTERM (warm shutdown) a worker while it runs a task, then start it again",
-    FaultKind.LONG_TASK: "tasks that run longer than the lease on a live worker",
-    FaultKind.ETA: "countdown tasks due after the lease",
-    FaultKind.PROXY_DROP: "the TCP proxy drops every connection",
-    FaultKind.PROXY_DELAY: "the TCP proxy delays replies, some past the socket timeout",
-    FaultKind.PROXY_LOST_REPLY: "the proxy drops the reply of a take, a publish, an ack that ran (resent)",
-    FaultKind.REDIS_PAUSE: "Redis paused (SIGSTOP) for longer than the lease, then SIGCONT",
-    FaultKind.REDIS_RESTART: "Redis killed and restarted from its AOF (appendfsync always): scripts gone",
-    FaultKind.CLOCK_SKEW: "a worker restarted with its clock ahead by more than the lease",
-    FaultKind.REDIS_FULL: "Redis at maxmemory with noeviction while tasks are published",
-    FaultKind.POOL_EXHAUSTED: "a 2-connection pool: many threads publishing, a worker acking through it",
-    FaultKind.MALFORMED: "a body that is not JSON, an unknown task, an oversized body",
-    FaultKind.MASTER_KILL: "SIGKILL a Redis Cluster master; its replica takes over",
-}
-
-#: Faults on a single Redis; ``master-kill`` needs ``--cluster``.
-SINGLE_SERVER_KINDS = tuple(kind for kind in FaultKind if kind is not FaultKind.MASTER_KILL)
-#: Faults that need the proxy between clients and one Redis server.
-PROXY_KINDS = frozenset({FaultKind.PROXY_DROP, FaultKind.PROXY_DELAY, FaultKind.PROXY_LOST_REPLY})
-#: Faults aimed at one worker slot.
-WORKER_KINDS = frozenset(
-    {FaultKind.KILL, FaultKind.WARM_SHUTDOWN, FaultKind.CLOCK_SKEW, FaultKind.POOL_EXHAUSTED}
-)
-#: Faults on the Redis server itself: run one at a time.
-REDIS_KINDS = frozenset(
-    {FaultKind.REDIS_PAUSE, FaultKind.REDIS_RESTART, FaultKind.REDIS_FULL, FaultKind.MASTER_KILL}
-)
+from lab.faultlab.registry import SINGLE_SERVER_KINDS, WORKER_KINDS, FaultKind
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Where a fault-lab run keeps its Redis: one server, or a Redis Cluster, and the faults each can take.
+"""Where a fault-lab run keeps its Redis: one server, a Redis Cluster or a Sentinel group, and its faults.
 
 A :class:`Topology` starts and stops its servers, names the queues the
 workload spreads over, gives the broker URL the workers and the publisher use
@@ -7,6 +7,8 @@ that happen to Redis itself. :class:`SingleRedis` runs behind the fault proxy;
 :class:`ClusterRedis` (3 masters, 3 replicas) cannot, because cluster clients
 follow MOVED redirects to the addresses the nodes announce, so proxy faults
 are not available there and a killed master takes their place.
+:class:`SentinelRedis` (a master, a replica, 3 sentinels) cannot either: the
+clients ask the sentinels where the master is and connect to it directly.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
+from redis.sentinel import Sentinel
 
 from broker_ext.keys import QueueKeys
 from lab.errors import FaultLabError
-from lab.faultlab.schedule import SINGLE_SERVER_KINDS, FaultKind
+from lab.faultlab.registry import CLUSTER, SENTINEL, SINGLE, FaultKind, kinds_on
+from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
 
@@ -31,7 +35,7 @@ class Topology(ABC):
 
     #: Shown in the report.
     name = ""
-    #: Fault kinds this topology can take.
+    #: Fault kinds this topology can take (each kind says where it runs, in the registry).
     kinds: tuple[FaultKind, ...] = ()
     #: Whether clients can be routed through the fault proxy.
     proxied = False
@@ -88,7 +92,7 @@ class SingleRedis(Topology):
     """One private ``redis-server`` with AOF (``appendfsync always``) and ``noeviction``."""
 
     name = "single Redis"
-    kinds = SINGLE_SERVER_KINDS
+    kinds = kinds_on(SINGLE)
     proxied = True
 
     def __init__(self, directory: Path) -> None:
@@ -136,16 +140,7 @@ class ClusterRedis(Topology):
     """A local Redis Cluster on loopback: 3 masters with a replica each; a master can be killed."""
 
     name = "Redis Cluster (3 masters, 3 replicas)"
-    kinds = (
-        FaultKind.KILL,
-        FaultKind.WARM_SHUTDOWN,
-        FaultKind.LONG_TASK,
-        FaultKind.ETA,
-        FaultKind.CLOCK_SKEW,
-        FaultKind.POOL_EXHAUSTED,
-        FaultKind.MALFORMED,
-        FaultKind.MASTER_KILL,
-    )
+    kinds = kinds_on(CLUSTER)
 
     def __init__(self) -> None:
         self.cluster = RedisCluster(masters=3, replicas=1)
@@ -212,3 +207,54 @@ class ClusterRedis(Topology):
                 pass
             time.sleep(0.2)
         raise FaultLabError(f"no replica took over from master 127.0.0.1:{port} in 30s")
+
+
+class SentinelRedis(Topology):
+    """A master, a replica and 3 sentinels on loopback; a master kill is a failover to the replica.
+
+    Both brokers run here: fenced:// with the transport option ``master_name``,
+    stock Kombu with its own ``sentinel://`` transport and the same option.
+    """
+
+    name = "Redis Sentinel (master, replica, 3 sentinels)"
+    kinds = kinds_on(SENTINEL)
+    master_name = "faultlab"
+
+    def __init__(self) -> None:
+        self.group = RedisSentinelGroup(master_name=self.master_name)
+
+    def start(self) -> None:
+        self.group.start()
+
+    def stop(self) -> None:
+        self.group.cleanup()
+
+    def endpoint(self) -> tuple[str, int]:
+        return self.group.sentinel_addresses()[0]
+
+    def broker_url(self, scheme: str, address: tuple[str, int]) -> str:
+        """Every sentinel as a host (Kombu's ``;`` alternates); stock Kombu's scheme is ``sentinel``."""
+        scheme = "sentinel" if scheme == "redis" else scheme
+        return ";".join(f"{scheme}://{host}:{port}/0" for host, port in self.group.sentinel_addresses())
+
+    def transport_options(self) -> dict:
+        return {"master_name": self.master_name}
+
+    def worker_env(self) -> dict[str, str]:
+        return {"LAB_SENTINEL_MASTER": self.master_name}
+
+    def client(self) -> redis.Redis:
+        """A client of whichever server is master now (it asks the sentinels, as the workers do)."""
+        sentinels = Sentinel(self.group.sentinel_addresses(), socket_timeout=2)
+        return sentinels.master_for(self.master_name, socket_timeout=10)
+
+    def queues(self, count: int) -> list[str]:
+        return [f"faultlab.q{index}" for index in range(count)]
+
+    def kill_master(self, generator: random.Random) -> str:
+        """SIGKILL the master, wait (bounded) for the promotion, start the old one as the new replica."""
+        old, new = self.group.kill_master()
+        return (
+            f"master 127.0.0.1:{old.port} killed; the sentinels promoted 127.0.0.1:{new.port}; "
+            "the old master rejoined as its replica"
+        )

@@ -17,8 +17,10 @@ worker, to inject what a single worker process suffers:
     fenced://'s ``max_message_size``, small so that an oversized body is cheap to send.
 ``LAB_CLUSTER``
     The broker URL lists the nodes of a Redis Cluster (transport option ``cluster``).
+``LAB_SENTINEL_MASTER``
+    The broker URL lists Redis Sentinels watching this master (transport option ``master_name``).
 
-The stock ``redis://`` transport gets the same lease as its
+The stock ``redis://`` (or ``sentinel://``) transport gets the same lease as its
 ``visibility_timeout`` and sweeps for expired messages as often as fenced://
 reclaims (Kombu's default sweeps every 100 s), so the comparison is fair.
 """
@@ -39,7 +41,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "socket_timeout": float(os.environ.get("LAB_SOCKET_TIMEOUT", "5")),
     "socket_connect_timeout": 5.0,
 }
-if CELERY_BROKER_URL.startswith("redis"):
+if not CELERY_BROKER_URL.startswith("fenced"):
     # The stock transport's own names for the lease; fenced:// refuses them (it has lease_timeout).
     CELERY_BROKER_TRANSPORT_OPTIONS.update(
         visibility_timeout=_lease, unacked_restore_interval=min(_lease / 2, 5.0), unacked_restore_throttle=1
@@ -50,5 +52,7 @@ else:
     )
 if os.environ.get("LAB_CLUSTER"):
     CELERY_BROKER_TRANSPORT_OPTIONS["cluster"] = True
+if os.environ.get("LAB_SENTINEL_MASTER"):
+    CELERY_BROKER_TRANSPORT_OPTIONS["master_name"] = os.environ["LAB_SENTINEL_MASTER"]
 if os.environ.get("LAB_MAX_CONNECTIONS"):
     CELERY_BROKER_TRANSPORT_OPTIONS["max_connections"] = int(os.environ["LAB_MAX_CONNECTIONS"])

@@ -10,6 +10,7 @@ import redis
 from kombu import Connection
 
 from lab.processes import REPO, CeleryWorker
+from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster
 from tests.broker_ext.behaviour import transport_options
 from tests.helpers import reset_connections
@@ -118,3 +119,11 @@ def failover_cluster() -> Iterator[RedisCluster]:
     cluster = RedisCluster(masters=3, replicas=1).start()
     yield cluster
     cluster.cleanup()
+
+
+@pytest.fixture
+def sentinel_group() -> Iterator[RedisSentinelGroup]:
+    """A master, a replica and 3 sentinels of the test's own, so a killed master fails over."""
+    group = RedisSentinelGroup(master_name="tests-master").start()
+    yield group
+    group.cleanup()

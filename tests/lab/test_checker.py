@@ -164,3 +164,57 @@ def test_reason_kinds_group_reasons_by_their_leading_text():
     assert reason_kind("malformed body: JSONDecodeError: Expecting value") == "malformed body"
     assert reason_kind("lease expired on delivery 6 (max_deliveries 5)") == "lease expired on delivery N"
     assert reason_kind("") == "no reason given"
+
+
+def test_an_outcome_row_still_running_for_an_acked_message_is_a_ledger_mismatch():
+    """The row says the work is in progress, the broker says it is done: the database never learnt."""
+    outcomes = {
+        **succeeded("a", "b"),
+        "run-c": OutcomeRecord("run-c", "queued"),
+        "run-d": OutcomeRecord("run-d", "running"),
+    }
+    history = clean_history(
+        published=published("a", "b", "c", "d"),
+        effects={"a": 1, "b": 1},
+        outcomes=outcomes,
+        redis=RedisEnd(dead={"run-d": "max deliveries (5) exceeded"}),
+    )
+    verdict = check(history)
+    assert verdict.ledger_mismatches == 2
+    assert verdict.ledger_mismatch_kinds == {"queued but acked": 1, "running but dead-lettered": 1}
+    assert verdict.examples["ledger_mismatches"] == ["run-c", "run-d"]
+    assert any("disagree with the broker" in violation for violation in verdict.violations)
+    assert verdict.as_dict()["ledger_mismatches"] == 2
+
+
+def test_an_unfinished_row_for_a_message_still_in_redis_or_a_dead_row_is_no_mismatch():
+    outcomes = {
+        **succeeded("a"),
+        "run-b": OutcomeRecord("run-b", "running"),
+        "run-c": OutcomeRecord("run-c", "dead"),
+    }
+    history = clean_history(
+        published=published("a", "b", "c"),
+        effects={"a": 1},
+        outcomes=outcomes,
+        redis=RedisEnd(leased=frozenset({"run-b"}), dead={"run-c": "max deliveries (5) exceeded"}),
+    )
+    verdict = check(history)
+    assert verdict.ledger_mismatches == 0 and verdict.ok, verdict.violations
+
+
+def test_dead_letters_are_counted_beside_lost_and_doubled_and_listed_with_their_reasons():
+    history = clean_history(
+        effects={"a": 1},
+        outcomes={
+            **succeeded("a"),
+            "run-b": OutcomeRecord("run-b", "dead"),
+            "run-c": OutcomeRecord("run-c", "dead"),
+        },
+        redis=RedisEnd(dead={"run-b": "max deliveries (5) exceeded", "run-c": "unknown task: x"}),
+    )
+    report = check(history).as_dict()
+    assert (report["lost"], report["double_effects"], report["dead_lettered"]) == (0, 0, 2)
+    assert report["dead_letter_reasons"] == {"max deliveries": 1, "unknown task": 1}
+    assert report["dead_letters"] == {"run-b": "max deliveries (5) exceeded", "run-c": "unknown task: x"}
+    assert report["ok"]

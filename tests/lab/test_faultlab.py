@@ -21,7 +21,8 @@ from broker_ext.records import OutgoingMessage
 from lab.errors import FaultLabError
 from lab.faultlab import clock
 from lab.faultlab.recorder import fenced_end, stock_end
-from lab.faultlab.schedule import SINGLE_SERVER_KINDS, FaultKind, build_schedule, parse_kinds
+from lab.faultlab.registry import SINGLE_SERVER_KINDS, FaultKind
+from lab.faultlab.schedule import build_schedule, parse_kinds
 from lab.faultlab.workload import error_name
 from lab.processes import REPO
 
@@ -44,6 +45,16 @@ def test_fault_kinds_parse_from_the_command_line_and_unknown_ones_are_refused():
         parse_kinds("kill,explode")
     with pytest.raises(FaultLabError, match="not available"):
         parse_kinds("master-kill")
+
+
+def test_cluster_and_sentinel_topologies_exclude_each_other():
+    from lab.faultlab.runner import LabConfig, topology_class
+    from lab.faultlab.topology import SentinelRedis
+
+    assert topology_class(LabConfig(sentinel=True)) is SentinelRedis
+    assert FaultKind.MASTER_KILL in SentinelRedis.kinds
+    with pytest.raises(FaultLabError, match="exclude each other"):
+        topology_class(LabConfig(cluster=True, sentinel=True))
 
 
 def test_the_clock_shim_moves_time_in_modules_that_imported_it_by_name():
@@ -162,3 +173,23 @@ def test_a_short_fenced_fault_lab_run_loses_nothing_and_doubles_nothing(tmp_path
     assert report["malformed"] == {"injected": 3, "dead_lettered": 3}
     assert report["settlement"] == "settled"
     assert (tmp_path / "faultlab" / report["config"]["run_dir"].rsplit("/", 1)[1] / "report.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_lab_run_on_sentinel_follows_master_kills_and_fenced_loses_and_doubles_nothing(tmp_path):
+    """Both brokers on a Sentinel group (stock through Kombu's sentinel://): two master kills each."""
+    env = {**os.environ, "QUEUEAPP_VAR_DIR": str(tmp_path)}
+    env.pop("DATABASE_URL", None)
+    command = [sys.executable, "manage.py", "faultlab", "--json", "--sentinel", "--broker", "both"]
+    command += ["--tasks", "100", "--seconds", "12", "--lease", "3", "--faults", "master-kill"]
+    command += ["--per-kind", "2", "--seed", "5"]
+    stdout, stderr, returncode = run_command(command, env, timeout=240)
+    assert returncode == 0, stderr[-3000:] + stdout[-3000:]
+    report = json.loads(stdout)
+    assert report["config"]["topology"].startswith("Redis Sentinel")
+    for broker in ("fenced", "stock"):
+        assert report[broker]["faults"] == {"master-kill": 2}, report[broker]["fault_log"]
+    fenced = report["fenced"]
+    assert fenced["ok"] and fenced["lost"] == 0 and fenced["double_effects"] == 0, fenced["violations"]
+    assert fenced["effects"] == fenced["tasks"] - fenced["dead_lettered"]

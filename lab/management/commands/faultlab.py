@@ -11,9 +11,8 @@ from rich.console import Console
 from lab.errors import LabError
 from lab.faultlab import cli, database
 from lab.faultlab.report import as_json, print_report
-from lab.faultlab.runner import BROKERS, LabConfig, new_run_id
+from lab.faultlab.runner import BROKERS, LabConfig, new_run_id, topology_class
 from lab.faultlab.schedule import parse_kinds
-from lab.faultlab.topology import ClusterRedis, SingleRedis
 
 
 class Command(BaseCommand):
@@ -61,11 +60,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--cluster", action="store_true", help="run on a local Redis Cluster (3 masters, 3 replicas)"
         )
+        parser.add_argument(
+            "--sentinel",
+            action="store_true",
+            help="run on a local Redis Sentinel group (a master, a replica, 3 sentinels)",
+        )
         parser.add_argument("--json", action="store_true", dest="as_json", help="print the report as JSON")
 
     def handle(self, *args, **options) -> None:
-        topology = ClusterRedis if options["cluster"] else SingleRedis
         try:
+            topology = topology_class(LabConfig(cluster=options["cluster"], sentinel=options["sentinel"]))
             config = LabConfig(
                 tasks=options["tasks"],
                 workers=options["workers"],
@@ -76,6 +80,7 @@ class Command(BaseCommand):
                 per_kind=options["per_kind"],
                 settle_timeout=options["settle_timeout"],
                 cluster=options["cluster"],
+                sentinel=options["sentinel"],
             )
         except LabError as exc:
             raise CommandError(str(exc)) from None
