@@ -27,6 +27,17 @@ DEDUP_KEY_HEADER = "fenced_dedup_key"
 DEDUP_WINDOW_HEADER = "fenced_dedup_window"
 
 
+def task_message_id(task_id: str, retries: int) -> str:
+    """The message id of attempt ``retries`` of Celery task ``task_id``: ``<task id>.<retries>``."""
+    return f"{task_id}.{retries}"
+
+
+def split_task_message_id(message_id: str) -> tuple[str, int]:
+    """``(task id, retry number)`` of a :func:`task_message_id`; ``(message_id, 0)`` for any other id."""
+    stem, _, suffix = message_id.rpartition(".")
+    return (stem, int(suffix)) if stem and suffix.isdigit() else (message_id, 0)
+
+
 def message_id_of(message: dict) -> str:
     """The id a publish is idempotent on.
 
@@ -38,7 +49,7 @@ def message_id_of(message: dict) -> str:
     headers = message.get("headers") or {}
     task_id = headers.get("id")
     if task_id:
-        message_id = f"{task_id}.{headers.get('retries') or 0}"
+        message_id = task_message_id(task_id, headers.get("retries") or 0)
         nesting = headers.get("replaced_task_nesting") or 0
         return f"{message_id}.r{nesting}" if nesting else message_id
     properties = message.get("properties") or {}

@@ -34,11 +34,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from broker_ext.messages import split_task_message_id, task_message_id
 from broker_ext.records import MessageState, Place
 from broker_ext.signals import DeadLetterNotice
 from queueapp import conf
 from queueapp.broker import fenced_channel
 from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.ops.reports import queue_of
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +59,14 @@ class ReconcileReport:
         return {"examined": self.examined, "marked_dead": len(self.marked_dead), "keys": self.marked_dead}
 
 
-def _split(message_id: str) -> tuple[str, int]:
-    """``(task id, retry number)`` of a Celery message id ``<task id>.<retries>``."""
-    stem, _, suffix = message_id.rpartition(".")
-    return (stem, int(suffix)) if stem and suffix.isdigit() else (message_id, 0)
-
-
 def _names(outcome: TaskOutcome, message_id: str) -> bool:
     """Whether ``message_id`` is the message carrying ``outcome``'s key (not an older attempt's)."""
-    task_id, retry = _split(message_id)
+    task_id, retry = split_task_message_id(message_id)
     if outcome.message_id == message_id:
         return True
     if outcome.task_id != task_id:
         return False
-    return not outcome.message_id or _split(outcome.message_id)[1] <= retry
+    return not outcome.message_id or split_task_message_id(outcome.message_id)[1] <= retry
 
 
 def _mark_dead(outcome: TaskOutcome, message_id: str, queue: str, reason: str) -> bool:
@@ -96,7 +92,7 @@ def _mark_dead(outcome: TaskOutcome, message_id: str, queue: str, reason: str) -
                 fence_token=outcome.fence_token,
                 verdict=TaskDelivery.Verdict.DEAD_LETTERED,
                 detail=reason,
-                task_id=_split(message_id)[0][:255],
+                task_id=split_task_message_id(message_id)[0][:255],
                 message_id=message_id[:255],
                 queue=queue[:255],
                 started_at=now,
@@ -113,7 +109,7 @@ def record(notices: Iterable[DeadLetterNotice]) -> list[str]:
     notices = list(notices)
     if not notices:
         return []
-    task_ids = {_split(notice.message_id)[0] for notice in notices}
+    task_ids = {split_task_message_id(notice.message_id)[0] for notice in notices}
     message_ids = {notice.message_id for notice in notices}
     rows = list(
         TaskOutcome.objects.using(conf.get("DATABASE")).filter(
@@ -136,9 +132,9 @@ def candidates(outcome: TaskOutcome) -> list[str]:
     if outcome.message_id:
         ids.append(outcome.message_id)
     if outcome.task_id:
-        ids.append(f"{outcome.task_id}.{outcome.retries}")
+        ids.append(task_message_id(outcome.task_id, outcome.retries))
         if outcome.status == Status.QUEUED and outcome.attempts:
-            ids.append(f"{outcome.task_id}.{outcome.retries + 1}")  # A retry was published.
+            ids.append(task_message_id(outcome.task_id, outcome.retries + 1))  # A retry was published.
     return list(dict.fromkeys(ids))
 
 
@@ -161,7 +157,7 @@ def reconcile(app, *, limit: int = 1000) -> ReconcileReport:
         return report
     by_queue: dict[str, list[TaskOutcome]] = {}
     for outcome in rows:
-        by_queue.setdefault(outcome.queue or app.conf.task_default_queue, []).append(outcome)
+        by_queue.setdefault(queue_of(outcome, app), []).append(outcome)
     with fenced_channel(app) as channel:
         for name, group in by_queue.items():
             found = channel.fenced_queue(name).locate([mid for row in group for mid in candidates(row)])

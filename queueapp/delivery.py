@@ -12,7 +12,7 @@ import contextvars
 import socket
 from dataclasses import dataclass
 
-from broker_ext.messages import delivery_of
+from broker_ext.messages import delivery_of, task_message_id
 from broker_ext.records import Delivery
 
 
@@ -75,7 +75,7 @@ class DeliveryInfo:
             retries=retries,
             broker=broker,
             queue=broker.queue if broker else str(delivery_info.get("routing_key") or ""),
-            message_id=broker.message_id if broker else f"{task_id}.{retries}",
+            message_id=broker.message_id if broker else task_message_id(task_id, retries),
             worker=str(getattr(request, "hostname", None) or socket.gethostname()),
             eager=bool(getattr(request, "is_eager", False)),
         )

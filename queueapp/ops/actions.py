@@ -30,6 +30,7 @@ from django.db.models import Max
 from django.utils import timezone
 
 from broker_ext.errors import Reply
+from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
 from queueapp.broker import fenced_channel
@@ -149,7 +150,7 @@ def _republish(app, channel, outcome: TaskOutcome) -> str:
     task_id = outcome.task_id or outcome.idempotency_key
     retries = _next_retry(outcome)
     for attempt in range(REPUBLISH_ATTEMPTS):
-        message_id = f"{task_id}.{retries + attempt}"
+        message_id = task_message_id(task_id, retries + attempt)
         app.send_task(
             outcome.task_name,
             args=list(outcome.args or []),

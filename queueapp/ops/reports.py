@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from django.db.models import Max, Q
 from django.utils import timezone
 
+from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState
 from queueapp import conf
 from queueapp.broker import MessageInfo, describe_payload, fenced_channel
@@ -68,7 +69,7 @@ def message_id_of(outcome: TaskOutcome) -> str:
     """The broker message id of an outcome's latest delivery, or of its first publish if never delivered."""
     if outcome.message_id:
         return outcome.message_id
-    return f"{outcome.task_id}.0" if outcome.task_id else ""
+    return task_message_id(outcome.task_id, 0) if outcome.task_id else ""
 
 
 def broker_states(app, outcomes: Iterable[TaskOutcome], channel) -> dict[int, MessageState]:
