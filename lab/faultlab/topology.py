@@ -30,6 +30,11 @@ from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
 
+def alternates(scheme: str, addresses: list[tuple[str, int]]) -> str:
+    """A broker URL naming every address as an alternate (Kombu's ``;``), so a dead one is skipped."""
+    return ";".join(f"{scheme}://{host}:{port}/0" for host, port in addresses)
+
+
 class Topology(ABC):
     """The Redis side of one run."""
 
@@ -156,7 +161,7 @@ class ClusterRedis(Topology):
 
     def broker_url(self, scheme: str, address: tuple[str, int]) -> str:
         """Every node as a startup node (Kombu's ``;`` alternates), so a dead one is skipped."""
-        return ";".join(f"{scheme}://{host}:{port}/0" for host, port in self.cluster.startup_nodes())
+        return alternates(scheme, self.cluster.startup_nodes())
 
     def transport_options(self) -> dict:
         return {"cluster": True}
@@ -235,7 +240,7 @@ class SentinelRedis(Topology):
     def broker_url(self, scheme: str, address: tuple[str, int]) -> str:
         """Every sentinel as a host (Kombu's ``;`` alternates); stock Kombu's scheme is ``sentinel``."""
         scheme = "sentinel" if scheme == "redis" else scheme
-        return ";".join(f"{scheme}://{host}:{port}/0" for host, port in self.group.sentinel_addresses())
+        return alternates(scheme, self.group.sentinel_addresses())
 
     def transport_options(self) -> dict:
         return {"master_name": self.master_name}
