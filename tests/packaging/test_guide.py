@@ -223,5 +223,9 @@ def test_the_five_minute_guide_runs_a_task_sent_twice_once(tmp_path, wheel, priv
     assert report["outcomes"] == [
         {"idempotency_key": report["payments"][0], "status": "succeeded", "suppressed_duplicates": 1}
     ]
-    assert report["verdicts"] == ["executed", "suppressed_duplicate"]
+    # Two workers may take the two messages at once; the one whose token the database had already
+    # outranked is given back (deferred) and comes again as the suppressed duplicate.
+    verdicts = report["verdicts"]
+    assert sorted(set(verdicts) - {"deferred"}) == ["executed", "suppressed_duplicate"], verdicts
+    assert (verdicts.count("executed"), verdicts.count("suppressed_duplicate")) == (1, 1), verdicts
     assert "database is locked" not in runner.worker_log.read_text()
