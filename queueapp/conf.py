@@ -53,6 +53,10 @@ Every value is looked up when it is used, never at import time, so tests
     page loads (Django's cache); ``0`` reads Redis on every load.
 ``OPS_LIST_LIMIT`` (``200``)
     Most rows each section of the admin's stuck and duplicates pages shows.
+``OPS_BROKER_TIMEOUT`` (``1.5``)
+    Seconds the admin, ``/metrics`` and the management commands wait for Redis
+    (connect and each command, no retries) before they say it is unavailable;
+    after a failure they fail at once for twice as long, then try again.
 ``QUEUE_SCAN_LIMIT`` (``10000``)
     Most Redis keys the queue list examines (``SCAN``) to find fenced queues
     nobody configured (the scan is bounded so a big Redis stays cheap).
@@ -87,6 +91,7 @@ DEFAULTS: dict[str, Any] = {
     "OPS_LIST_LIMIT": 200,
     "QUEUE_STATS_CACHE_TIMEOUT": 2.0,
     "QUEUE_SCAN_LIMIT": 10000,
+    "OPS_BROKER_TIMEOUT": 1.5,
 }
 
 

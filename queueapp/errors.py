@@ -33,4 +33,13 @@ class OutboxError(QueueappError):
 
 
 class BrokerUnavailable(QueueappError):
-    """Raised when an operator tool cannot reach the fenced broker (Redis down, or not ``fenced://``)."""
+    """Raised when an operator tool cannot reach the fenced broker (Redis down, or not ``fenced://``).
+
+    ``address`` is the broker's ``host:port`` when known; ``since`` (UTC) when
+    the operator tools first failed to reach it in the current outage.
+    """
+
+    def __init__(self, message: str, *, address: str = "", since=None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.since = since

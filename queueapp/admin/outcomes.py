@@ -23,10 +23,11 @@ from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
-from queueapp.broker import describe_payload, fenced_channel
+from queueapp.broker import describe_payload
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskDelivery, TaskOutcome
 from queueapp.ops import actions
+from queueapp.ops.connection import ops_channel
 from queueapp.ops.reports import message_id_of, queue_of
 
 
@@ -181,7 +182,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
         app = self.celery_app()
         queue_name = queue_of(outcome, app)
         try:
-            with fenced_channel(app) as channel:
+            with ops_channel(app) as channel:
                 queue = channel.fenced_queue(queue_name)
                 state = queue.locate([message_id])[message_id]
                 payload = queue.payload(message_id) if state.in_broker else None

@@ -33,8 +33,8 @@ from broker_ext.errors import Reply
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
-from queueapp.broker import fenced_channel
 from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.ops.connection import ops_channel
 from queueapp.ops.reports import (
     BrokerMessage,
     broker_messages,
@@ -186,7 +186,7 @@ def requeue(
     """Requeue each outcome's task under its own idempotency key (see the module docstring)."""
     outcomes = list(outcomes)
     results = []
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
         for outcome in outcomes:
             state = states.get(outcome.pk)
@@ -261,7 +261,7 @@ def mark_dead(
     outcomes = list(outcomes)
     results = []
     db = conf.get("DATABASE")
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
         for outcome in outcomes:
             state = states.get(outcome.pk)
@@ -328,7 +328,7 @@ def requeue_dead_letters(
 ) -> list[ActionResult]:
     """Revive dead-lettered messages of ``queue`` (``message_ids``, or all of its dead-letter set)."""
     results = []
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         fenced = channel.fenced_queue(queue)
         if message_ids is None:
             message_ids = fenced.dead_ids()
@@ -369,7 +369,7 @@ def requeue_outcomes_dead_letters(
 ) -> list[ActionResult]:
     """The changelist's *requeue dead-lettered*: revive the selected keys' messages that are dead-lettered."""
     outcomes = list(outcomes)
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
     by_queue: dict[str, list[str]] = {}
     results = []

@@ -13,9 +13,9 @@ from django.core.management.base import BaseCommand, CommandError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from queueapp.broker import fenced_channel
 from queueapp.errors import BrokerUnavailable
 from queueapp.ops import actions
+from queueapp.ops.connection import ops_channel
 from queueapp.ops.queues import known_queues
 from queueapp.ops.selection import STATUS_CHOICES, parse_duration, select_outcomes
 
@@ -80,7 +80,7 @@ class Command(BaseCommand):
         self._report(results, dry_run=options["dry_run"], as_json=options["as_json"])
 
     def _dead_lettered(self, app, queue: str | None, dry_run: bool) -> list[actions.ActionResult]:
-        with fenced_channel(app) as channel:
+        with ops_channel(app) as channel:
             names = [queue] if queue else known_queues(app, channel)
             total = sum(channel.fenced_queue(name).stats().dead for name in names)
         results = []
