@@ -65,11 +65,26 @@ def _ledger(verdict: Verdict) -> Text | str:
     return _count(verdict.ledger_mismatches, bad=True) + Text(kinds)
 
 
+def _published(verdict: Verdict) -> str:
+    """``334: 300 plain + 34 the faults sent (burst 24, ...)``: every task counted once, by who sent it."""
+    plain = verdict.tasks_by_kind.get("plain", 0)
+    others = {kind: count for kind, count in verdict.tasks_by_kind.items() if kind != "plain"}
+    if not others:
+        return f"{verdict.tasks}: {plain} plain"
+    return f"{verdict.tasks}: {plain} plain + {sum(others.values())} the faults sent ({_mapping(others)})"
+
+
+def _attempts(verdict: Verdict) -> str:
+    resent = verdict.publish_attempts - verdict.tasks
+    return f"{verdict.publish_attempts}: {resent} resent with the same task id after an error"
+
+
 def _rows(verdict: Verdict) -> list[Text | str]:
     queued = verdict.still_queued
     malformed = verdict.malformed
     return [
-        str(verdict.tasks),
+        _published(verdict),
+        _attempts(verdict),
         str(verdict.effects),
         _count(verdict.lost, bad=True),
         _count(verdict.double_effects, bad=True)
@@ -99,7 +114,8 @@ def _rows(verdict: Verdict) -> list[Text | str]:
 
 
 ROW_NAMES = [
-    "tasks published",
+    "tasks published (malformed messages apart)",
+    "publish attempts",
     "effects committed",
     "lost",
     "tasks with a double effect",
@@ -124,8 +140,8 @@ ROW_NAMES = [
 def comparison_table(result: LabResult) -> Table:
     config = result.config
     title = (
-        f"Fault lab: {config.tasks} tasks, {config.workers} workers, lease {config.lease:g}s, "
-        f"seed {config.seed}, {result.topology}, {result.database}"
+        f"Fault lab: {config.tasks} plain tasks and the faults' own, {config.workers} workers, "
+        f"lease {config.lease:g}s, seed {config.seed}, {result.topology}, {result.database}"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("")
@@ -166,8 +182,7 @@ def violations(result: LabResult, limit: int = 8) -> Group:
         for entry in failed:
             lines.append(Text(f"{broker}: fault {entry['kind']} {entry['detail']}", style="yellow"))
         if verdict.settlement != "settled":
-            note = f"{broker}: the work {verdict.settlement} before it settled; see 'still in Redis'"
-            lines.append(Text(note, style="yellow"))
+            lines.append(Text(f"{broker}: {unsettled_note(verdict)}", style="yellow"))
         for violation in verdict.violations[:limit]:
             lines.append(Text(f"{broker}: {violation}", style="red" if broker == "fenced" else ""))
         if len(verdict.violations) > limit:
@@ -176,6 +191,29 @@ def violations(result: LabResult, limit: int = 8) -> Group:
             if category in LISTED:
                 lines.append(Text(f"{broker}: {category}: {', '.join(ids)}", style="dim"))
     return Group(*lines)
+
+
+def unsettled_note(verdict: Verdict) -> str:
+    """What an unsettled run's numbers show: what stayed in flight, and what was left once workers stopped."""
+    held = _mapping(verdict.unsettled) if verdict.unsettled else "messages"
+    if verdict.settlement == "stalled":
+        why = (
+            f"the work stalled: {held} stayed in Redis with no new effect or dead letter for "
+            f"{verdict.stalled_for:g} s, so the lab stopped waiting"
+        )
+    else:
+        why = f"the work {verdict.settlement} with {held} still in Redis"
+    left = sum(verdict.still_queued.values())
+    if left:
+        queued = verdict.still_queued
+        return (
+            f"{why}; after the workers stopped, {left} of the run's tasks were still in Redis "
+            f"(ready {queued['ready']}, leased {queued['leased']}, delayed {queued['delayed']})"
+        )
+    return (
+        f"{why}; after the workers stopped, none of the run's tasks was left in Redis "
+        "(the row 'still in Redis at the end' counts after that stop)"
+    )
 
 
 def print_report(result: LabResult, console: Console) -> None:
