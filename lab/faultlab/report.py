@@ -10,6 +10,7 @@ be made again.
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -220,4 +221,12 @@ def print_report(result: LabResult, console: Console) -> None:
     console.print(comparison_table(result))
     console.print(faults_table(result))
     console.print(violations(result))
-    console.print(f"Files of this run (worker logs, Redis, report.json): {result.run_dir}")
+    console.print(f"Files of this run (worker logs, Redis, report.json): {_relative(result.run_dir)}")
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the working directory when it is inside it (the repository, for the commands)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -47,3 +47,28 @@ def test_doubled_and_run_narrow_together(admin_client, demo_effects):
     assert listed(fenced) == set()
     assert listed(stock) == {effect.pk for effect in demo_effects["stock double"]}
     assert len(listed(everything)) == 5
+
+
+def test_the_demo_forgets_earlier_lab_runs_and_keeps_everything_else(django_user_model):
+    """On its SQLite database the demo starts from no lab rows, so its admin counts one run."""
+    from lab.faultlab import database
+    from queueapp.models import TaskDelivery, TaskOutcome
+
+    django_user_model.objects.create_superuser("operator", "operator@example.com", "pw")
+    earlier = TaskOutcome.objects.create(
+        idempotency_key="fl-old-fenced-t00001", task_name="lab.fenced_effect", task_id="fl-old-fenced-t00001"
+    )
+    TaskDelivery.objects.create(outcome=earlier, task_id=earlier.task_id, fence_token=1)
+    mine = TaskOutcome.objects.create(idempotency_key="order-7", task_name="shop.pay", task_id="fl-like-id")
+    Effect.objects.create(run="fl-old-stock", label="t00001")
+    Effect.objects.create(run="bench-1", label="t00001")
+
+    database.forget_earlier_runs()
+
+    if database.connection.vendor == "sqlite":
+        assert list(TaskOutcome.objects.all()) == [mine]
+        assert not TaskDelivery.objects.exists()
+        assert list(Effect.objects.values_list("run", flat=True)) == ["bench-1"]
+    else:  # A shared database keeps every run: others may be reading it.
+        assert TaskOutcome.objects.count() == 2 and Effect.objects.count() == 2
+    assert django_user_model.objects.filter(username="operator").exists()

@@ -90,6 +90,8 @@ class Command(BaseCommand):
             tasks=tasks, workers=4, kinds=SINGLE_SERVER_KINDS, seconds=seconds, seed=seed, lease=3.0
         )
         database.migrate()
+        # The admin shows this run alone: an earlier demo's rows would mix into its counts.
+        database.forget_earlier_runs()
         try:
             result = cli.run_with_progress(config, ("fenced", "stock"))
         except KeyboardInterrupt:
@@ -115,16 +117,19 @@ class Command(BaseCommand):
         if connection.vendor != "sqlite":
             prefix = "DATABASE_URL=... " + prefix
         admin = ADMIN.format(addrport="127.0.0.1:8000")
-        superuser = "DJANGO_SUPERUSER_USERNAME=... DJANGO_SUPERUSER_EMAIL=... DJANGO_SUPERUSER_PASSWORD=..."
+        # forget_earlier_runs() empties a SQLite database of earlier runs; a shared one keeps them.
+        only = ", this run only" if connection.vendor == "sqlite" else ", with earlier runs"
+        superuser = "DJANGO_SUPERUSER_USERNAME, _EMAIL and _PASSWORD set, and --noinput"
         lines = [
             "",
             f"The demo's result stays in {_relative(var_dir)}: its database "
-            f"({_relative(Path(connection.settings_dict['NAME']))}) and its fenced run's Redis data "
-            f"({_relative(result.run_dir / 'redis-fenced')}). "
+            f"({_relative(Path(connection.settings_dict['NAME']))}{only}) and its fenced run's "
+            f"Redis data ({_relative(result.run_dir / 'redis-fenced')}). "
             "To open it in the admin, from the repository root:",
-            f"  {prefix}bin/admin createsuperuser   # once, a login; or {superuser} ... --noinput",
-            f"  {prefix}bin/admin                   # the demo's Redis on its data, and runserver (Ctrl-C)",
-            f"then open {admin} and look for run {result.run_dir.name}:",
+            f"  {prefix}bin/admin createsuperuser   # once: a login (without prompts: {superuser})",
+            f"  {prefix}bin/admin                   # the demo's Redis on its data, and runserver; "
+            "Ctrl-C stops both",
+            f"then open {admin} (run {result.run_dir.name}):",
         ]
         fenced, stock = result.verdicts.get("fenced"), result.verdicts.get("stock")
         if fenced is not None:
@@ -134,11 +139,13 @@ class Command(BaseCommand):
                 "task a worker started (status, deliveries, suppressed duplicates, stale refusals)",
                 f"  {admin}queueapp/taskoutcome/duplicates/  the keys delivered more than once "
                 f"({fenced.duplicate_deliveries_suppressed} duplicate deliveries suppressed, "
-                f"{fenced.stale_commits_refused} stale commits refused)",
+                f"{fenced.stale_commits_refused} stale commits refused); under 'Publishes per queue', the "
+                f"{fenced.broker_counters.get('duplicate_publishes', 0)} resent publishes stored once",
                 f"  {admin}queueapp/taskoutcome/stuck/  'Dead-lettered in Redis': the "
                 f"{fenced.dead_lettered + malformed} dead-lettered messages ({fenced.dead_lettered} tasks, "
                 f"{malformed} malformed; a malformed message never ran, so it has no outcome row)",
-                f"  {admin}queueapp/taskdelivery/  every delivery of the fenced run and its verdict",
+                f"  {admin}queueapp/taskdelivery/?q={fenced.run}  every delivery of the fenced run "
+                "and its verdict",
             ]
         if stock is not None:
             lines += [
@@ -149,7 +156,6 @@ class Command(BaseCommand):
                 f"not served (the admin reads fenced:// queues only); its {stock.lost} lost task(s) left no "
                 "trace anywhere, which is what lost means.",
             ]
-        lines.append(f"The report (report.json) and the worker logs are in {_relative(result.run_dir)}.")
         return "\n".join(lines) + "\n"
 
     def serve(self, command: list[str], redis_port: int, addrport: str) -> None:
