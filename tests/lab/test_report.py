@@ -72,3 +72,21 @@ def test_a_stalled_run_with_tasks_left_counts_them_by_place():
 
     assert note.startswith("the work timed out with faultlab.q0 ready 1 still in Redis")
     assert "2 of the run's tasks were still in Redis (ready 1, leased 1, delayed 0)" in note
+
+
+def test_the_demo_s_closing_lines_are_commands_that_work_as_they_are_and_say_where_each_number_is(settings):
+    from lab.management.commands.demo import Command
+
+    settings.VAR_DIR = Path(settings.BASE_DIR) / "var" / "demo"
+    fenced = replace(history(), broker="fenced", run="fl-x-fenced")
+    run_dir = settings.VAR_DIR / "faultlab" / "fl-x"
+    result = replace(lab_result(fenced, history(run="fl-x-stock")), run_dir=run_dir)
+
+    text = Command().admin_instructions(result)
+
+    assert "  bin/admin createsuperuser" in text and "  bin/admin  " in text
+    assert "python manage.py" not in text  # Not on PATH in a fresh shell: bin/admin finds the virtualenv.
+    assert str(settings.BASE_DIR) not in text and "var/demo/faultlab/fl-x/redis-fenced" in text
+    assert "queueapp/taskoutcome/?q=fl-x-fenced" in text and "taskoutcome/stuck/" in text
+    assert "lab/effect/?doubled=yes&run=fl-x-stock" in text
+    assert "Not in the admin:" in text

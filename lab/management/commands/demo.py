@@ -156,6 +156,10 @@ class Command(BaseCommand):
                 f"not served (the admin reads fenced:// queues only); its {stock.lost} lost task(s) left no "
                 "trace anywhere, which is what lost means.",
             ]
+        lines.append(
+            "Every number above, with the affected task ids and what each fault did, is in report.json "
+            f"in {_relative(result.run_dir)}."
+        )
         return "\n".join(lines) + "\n"
 
     def serve(self, command: list[str], redis_port: int, addrport: str) -> None:
