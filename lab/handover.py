@@ -62,7 +62,8 @@ def read(var_dir: Path) -> Handover:
         raise LabError(f"no demo result in {var_dir} ({HANDOVER} is missing): run bin/demo first") from None
     except ValueError as exc:
         raise LabError(f"{path} is not valid JSON ({exc}): run bin/demo again") from None
-    redis_dir = Path(var_dir) / data["redis_dir"]
+    # Absolute: redis-server changes into --dir before it opens its log file there.
+    redis_dir = (Path(var_dir) / data["redis_dir"]).resolve()
     if not (redis_dir / "appendonlydir").is_dir():
         raise LabError(f"the demo's Redis data is gone from {redis_dir}: run bin/demo again")
     return Handover(run_id=data["run_id"], runs=dict(data.get("runs", {})), redis_dir=redis_dir)

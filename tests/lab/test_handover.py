@@ -50,7 +50,8 @@ def environment(var_dir: Path) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name not in ("DATABASE_URL", "REDIS_URL")}
     return {
         **env,
-        "QUEUEAPP_VAR_DIR": str(var_dir),
+        # Relative, as the closing lines print it: the demo's Redis must still find its directory.
+        "QUEUEAPP_VAR_DIR": os.path.relpath(var_dir, REPO),
         "DJANGO_SUPERUSER_USERNAME": "operator",
         "DJANGO_SUPERUSER_EMAIL": "operator@example.com",
         "DJANGO_SUPERUSER_PASSWORD": "demo-password",

@@ -77,6 +77,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, tasks: int, seconds: float, seed: int, **options) -> None:
+        if options["run"] == []:
+            raise CommandError("--run needs a command: manage.py demo --run createsuperuser")
         if options["serve"] or options["serve_redis"] or options["run"]:
             if options["run"]:
                 command = options["run"]
