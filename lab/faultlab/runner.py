@@ -371,13 +371,14 @@ def _settle(
 ) -> tuple[str, dict[str, int]]:
     """Wait until nothing is in flight and every task has an effect or a dead letter (bounded).
 
-    Returns the settlement and what was in flight when it was decided (by key,
-    non-zero counts only). The settlement is ``"settled"``; ``"stalled"`` when nothing changed (in flight,
-    effects, dead letters) for a grace period and a lease while work was still
-    in flight, as when a stock worker died holding ``unacked_mutex`` and every
-    restore waits five minutes; or ``"timed out"``. With nothing in flight
-    but tasks unaccounted for, it waits one grace period (a lease, a reclaim
-    sweep and a margin) for redeliveries, then settles: those tasks are lost.
+    Returns the settlement and what was in flight when it was decided (by
+    key, non-zero counts only). The settlement is ``"settled"``; ``"stalled"``
+    when nothing changed (in flight, effects, dead letters) for a grace period
+    and a lease while work was still in flight, as when a stock worker died
+    holding ``unacked_mutex`` and every restore waits five minutes; or
+    ``"timed out"``. With nothing in flight but tasks unaccounted for, it
+    waits one grace period (a lease, a reclaim sweep and a margin) for
+    redeliveries, then settles: those tasks are lost.
     """
     expected = {task.label for task in context.publisher.published() if not task.malformed and task.accepted}
     grace = grace_of(config)
