@@ -178,26 +178,10 @@ class Command(BaseCommand):
         env = handover.admin_env(server, var_dir)
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         child = None
+        serving = not command or command[0] == "runserver"
         try:
-            if command[:1] != ["runserver"] and command:
-                self._run_quietly(command, env)
-                return
-            exports = " ".join(
-                f"{name}={_relative(Path(value)) if name == 'QUEUEAPP_VAR_DIR' else value}"
-                for name, value in env.items()
-            )
-            self.stdout.write(
-                f"The demo's Redis (run {found.run_id}) is up on 127.0.0.1:{server.port}, on its data in "
-                f"{_relative(found.redis_dir)} (changes are kept there). For other manage.py commands on "
-                f"it, in another shell: {exports}"
-            )
-            if command:
-                self.stdout.write(
-                    f"The admin: {ADMIN.format(addrport=addrport)} (Ctrl-C stops it and this Redis)"
-                )
-            else:
-                self.stdout.write("Ctrl-C stops this Redis.")
-            self.stdout.flush()
+            if serving:
+                self._announce(found, server, env, addrport, runserver=bool(command))
             if not command:
                 server.process.wait()
                 return
@@ -206,7 +190,7 @@ class Command(BaseCommand):
             )
             code = child.wait()
             if code:
-                raise CommandError(f"runserver exited with {code}", returncode=code)
+                raise CommandError(f"manage.py {command[0]} exited with {code}", returncode=code)
         except KeyboardInterrupt:
             pass
         finally:
@@ -214,12 +198,23 @@ class Command(BaseCommand):
             _stop(child)
             server.stop()
 
-    def _run_quietly(self, command: list[str], env: dict[str, str]) -> None:
-        code = subprocess.call(
-            [sys.executable, "manage.py", *command], cwd=settings.BASE_DIR, env={**os.environ, **env}
+    def _announce(self, found, server, env: dict[str, str], addrport: str, *, runserver: bool) -> None:
+        exports = " ".join(
+            f"{name}={_relative(Path(value)) if name == 'QUEUEAPP_VAR_DIR' else value}"
+            for name, value in env.items()
         )
-        if code:
-            raise CommandError(f"manage.py {command[0]} exited with {code}", returncode=code)
+        self.stdout.write(
+            f"The demo's Redis (run {found.run_id}) is up on 127.0.0.1:{server.port}, on its data in "
+            f"{_relative(found.redis_dir)} (changes are kept there). For other manage.py commands on "
+            f"it, in another shell: {exports}"
+        )
+        if runserver:
+            self.stdout.write(
+                f"The admin: {ADMIN.format(addrport=addrport)} (Ctrl-C stops it and this Redis)"
+            )
+        else:
+            self.stdout.write("Ctrl-C stops this Redis.")
+        self.stdout.flush()
 
 
 def _stop(child: subprocess.Popen | None) -> None:
