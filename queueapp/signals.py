@@ -1,5 +1,5 @@
 """Celery and transport signal handlers: publish-time bookkeeping, the worker's delivery rules,
-dead-lettered messages, and the worker-side outbox relay and reconciliation threads.
+dead-lettered messages, and the worker-side outbox relay, reconciliation and queue sampler threads.
 
 Connected once from :meth:`queueapp.apps.QueueappConfig.ready` (the models are loaded by then).
 """
@@ -20,6 +20,7 @@ from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
 from broker_ext.signals import message_dead_lettered
 from queueapp import conf, dead_letters, ledger
 from queueapp.decorators import ack_only_with_a_verdict, policy_of
+from queueapp.ops.series import sample_periodically
 from queueapp.outbox import RECORDED_HEADER, relay_outbox
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ _threads: list[PeriodicThread] = []
 
 
 def on_worker_ready(sender=None, **_) -> None:
-    """Start the worker's outbox relay and dead-letter reconciliation threads (once per process)."""
+    """Start the worker's outbox relay, reconciliation and queue sampler threads (once per process)."""
     if _threads:
         return
     app = getattr(sender, "app", None) or current_app
@@ -129,6 +130,8 @@ def on_worker_ready(sender=None, **_) -> None:
         _threads.append(
             PeriodicThread(app, "reconcile", dead_letters.reconcile, conf.get("RECONCILE_INTERVAL"))
         )
+    if conf.get("SERIES_INTERVAL"):
+        _threads.append(PeriodicThread(app, "series", sample_periodically, conf.get("SERIES_INTERVAL")))
     for thread in _threads:
         thread.start()
 

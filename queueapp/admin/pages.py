@@ -18,6 +18,7 @@ from django.utils.translation import gettext as _
 
 from queueapp import cache
 from queueapp.admin.confirm import run_or_confirm
+from queueapp.admin.monitoring import MonitoringPagesMixin
 from queueapp.errors import BrokerUnavailable
 from queueapp.ops import actions, queues, reports
 
@@ -41,7 +42,7 @@ def _parse_dead_letters(values: list[str]) -> dict[str, list[str]]:
     return chosen
 
 
-class OpsPagesMixin:
+class OpsPagesMixin(MonitoringPagesMixin):
     """Stuck, Duplicates and Queues pages for a ``ModelAdmin`` of :class:`~queueapp.models.TaskOutcome`."""
 
     def get_urls(self):
@@ -51,6 +52,8 @@ class OpsPagesMixin:
             path("stuck/", wrap(self.stuck_view), name=f"{name}_stuck"),
             path("duplicates/", wrap(self.duplicates_view), name=f"{name}_duplicates"),
             path("queues/", wrap(self.queues_view), name=f"{name}_queues"),
+            path("charts/", wrap(self.charts_view), name=f"{name}_charts"),
+            path("workers/", wrap(self.workers_view), name=f"{name}_workers"),
             path(
                 "dead-letters/requeue/",
                 wrap(self.requeue_dead_letters_view),
