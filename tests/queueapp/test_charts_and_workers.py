@@ -78,7 +78,8 @@ def test_the_series_is_trimmed_by_age_and_capped_in_count(queue, settings):
 
 def test_rates_are_per_minute_between_samples_and_a_reset_counter_counts_from_zero():
     def entry(minute, published, suppressed):
-        return {"t": minute * 60_000, "q": {"a": [1, 0, 0, 0, published, 0, 0, 0]}, "v": {"a": [suppressed, 0]}}
+        counts = [1, 0, 0, 0, published, 0, 0, 0]
+        return {"t": minute * 60_000, "q": {"a": counts}, "v": {"a": [suppressed, 0]}}
 
     samples = [entry(0, 10, 0), entry(1, 40, 2), entry(3, 100, 2), entry(4, 5, 3)]
     built = series.build_series(samples, window="hour")

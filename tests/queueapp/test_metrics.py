@@ -1,4 +1,4 @@
-"""``/queueapp/metrics``: scraped with the test client against a real Redis and database, parsed by prometheus_client.
+"""``/queueapp/metrics``: scraped with the test client (real Redis and database), parsed by prometheus_client.
 
 The values are checked against what the test created (real publishes,
 claims and commits through :mod:`tests.queueapp.scenarios`), the access
