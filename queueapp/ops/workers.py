@@ -27,6 +27,8 @@ from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskOutcome
 from queueapp.ops.connection import ops_channel
 
+PIDBOX_SUFFIX = ".celery.pidbox"
+
 #: How long readers still show a consumer that stopped reporting (the registry forgets it after that).
 SHOWN_FOR_S = 120.0
 
@@ -42,22 +44,50 @@ class HeldMessage:
 
 @dataclass
 class WorkerRow:
-    """One consumer on the Workers page."""
+    """One worker on the Workers page: its consumers (a Celery worker has one per channel) taken together."""
 
-    record: ConsumerRecord
+    name: str
+    consumers: list[ConsumerRecord]
     held: list[HeldMessage] = field(default_factory=list)
-    silent: bool = False
+    silent_after_s: float = 30.0
     running_in_database: int = 0
 
     @property
+    def hosts(self) -> list[str]:
+        return sorted({f"{record.hostname} / {record.pid}" for record in self.consumers})
+
+    @property
+    def queues(self) -> list[str]:
+        """The queues its consumers consume, without Celery's remote-control (pidbox) queues."""
+        names = {queue for record in self.consumers for queue in record.queues}
+        return sorted(name for name in names if not name.endswith(PIDBOX_SUFFIX))
+
+    @property
+    def held_count(self) -> int:
+        return sum(record.held for record in self.consumers)
+
+    @property
+    def seen_s_ago(self) -> float:
+        """Since the report of its quietest consumer: one stalled channel is enough to flag it."""
+        return max(record.seen_s_ago for record in self.consumers)
+
+    @property
+    def extended_s_ago(self) -> float | None:
+        """Since the last extension of the consumer that extended least recently (``None``: never)."""
+        ages = [record.extended_s_ago for record in self.consumers]
+        return None if None in ages else max(ages)
+
+    @property
+    def silent(self) -> bool:
+        return self.seen_s_ago > self.silent_after_s
+
+    @property
     def state(self) -> str:
-        if self.silent:
-            return "silent"
-        return "live"
+        return "silent" if self.silent else "live"
 
     @property
     def listed_all(self) -> bool:
-        return len(self.held) >= self.record.held
+        return len(self.held) >= self.held_count
 
 
 @dataclass
@@ -73,7 +103,7 @@ class WorkersReport:
     @property
     def unreported(self) -> dict[str, int]:
         """Workers the database records as running keys, with no lease keeper report (by node name)."""
-        reported = {row.record.name for row in self.workers}
+        reported = {row.name for row in self.workers}
         return {name: n for name, n in self.running_by_worker.items() if name not in reported}
 
 
@@ -114,16 +144,20 @@ def workers_report(app) -> WorkersReport:
                 outcomes[outcome.message_id] = outcome
     except DatabaseError as exc:
         report.database_error = f"{type(exc).__name__}: {exc}"
+    by_name: dict[str, list[ConsumerRecord]] = {}
     for record in records:
-        held = [HeldMessage(*_split_held(h)) for h in record.held_ids]
+        by_name.setdefault(record.name or record.consumer_id, []).append(record)
+    for name, consumers in sorted(by_name.items()):
+        held = [HeldMessage(*_split_held(h)) for record in consumers for h in record.held_ids]
         for message in held:
             message.outcome = outcomes.get(message.message_id)
         report.workers.append(
             WorkerRow(
-                record,
+                name,
+                consumers,
                 held,
-                silent=record.seen_s_ago > report.silent_after_s,
-                running_in_database=report.running_by_worker.get(record.name, 0),
+                silent_after_s=report.silent_after_s,
+                running_in_database=report.running_by_worker.get(name, 0),
             )
         )
     return report

@@ -173,8 +173,8 @@ def test_the_workers_page_shows_each_worker_what_it_holds_and_its_last_extend(ad
     response = admin_client.get(reverse("admin:queueapp_taskoutcome_workers"))
     assert response.status_code == 200
     (row,) = response.context["report"].workers
-    assert row.record.name == "worker-busy@test" and row.state == "live"
-    assert row.record.queues == ("celery", "reports") and row.record.held == 1
+    assert row.name == "worker-busy@test" and row.state == "live"
+    assert row.queues == ["celery", "reports"] and row.held_count == 1
     assert row.held[0].outcome.idempotency_key == busy.key
     assert row.running_in_database == 1
     html = response.content.decode()
