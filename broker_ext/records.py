@@ -134,6 +134,7 @@ class ConsumerRecord:
     held_ids: tuple[str, ...]
     seen_s_ago: float
     extended_s_ago: float | None
+    report_interval_s: float = 0.0  # seconds between two reports of its keeper (0: not reported)
 
 
 class Place(enum.Enum):

@@ -76,10 +76,10 @@ Every value is looked up when it is used, never at import time, so tests
     Seconds of samples Redis keeps; older samples are trimmed at each sample,
     and the count is capped at ``SERIES_RETENTION / SERIES_INTERVAL`` plus a
     margin, so the series stays bounded whatever the clocks do.
-``WORKER_SILENT_AFTER`` (``30.0``)
-    Seconds without a lease keeper's report (or, for a worker holding
-    messages, without a lease extension) before the Workers page flags a
-    worker as silent.
+``WORKER_SILENT_AFTER`` (``None``)
+    Seconds without a lease keeper's report before the Workers page flags a
+    worker as silent; ``None``: three of its keeper's own report intervals
+    (its ``extend_interval``, a third of the lease: 30 s by default).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ DEFAULTS: dict[str, Any] = {
     "METRICS_ALLOW": (),
     "SERIES_INTERVAL": 30.0,
     "SERIES_RETENTION": 86400.0,
-    "WORKER_SILENT_AFTER": 30.0,
+    "WORKER_SILENT_AFTER": None,
 }
 
 

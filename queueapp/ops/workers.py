@@ -3,10 +3,12 @@
 Each consumer's lease keeper reports at every extension round (every
 ``extend_interval``, a third of the lease by default): its queues, how many
 deliveries it holds and which, stamped with Redis server time
-(:mod:`broker_ext.consumers`). A consumer not heard of for
-``WORKER_SILENT_AFTER`` seconds is flagged *silent*: stopped, frozen or
-partitioned, its leases expire and other workers take its messages. Entries
-are forgotten two minutes after the last report.
+(:mod:`broker_ext.consumers`). A consumer not heard of for three of its
+report intervals (or ``WORKER_SILENT_AFTER`` seconds, when set) is flagged
+*silent*: stopped, frozen or partitioned, its leases expire and other workers
+take its messages. The page shows a consumer for ten minutes after its last
+report; the registry forgets it after two (or ten intervals) once other
+consumers report.
 
 The database's side is shown next to it: the keys it records as *running*,
 by worker, so a worker the database thinks busy but that no keeper reports is
@@ -29,8 +31,20 @@ from queueapp.ops.connection import ops_channel
 
 PIDBOX_SUFFIX = ".celery.pidbox"
 
-#: How long readers still show a consumer that stopped reporting (the registry forgets it after that).
-SHOWN_FOR_S = 120.0
+#: How long the page still shows a consumer that stopped reporting.
+SHOWN_FOR_S = 600.0
+#: Reports a consumer may miss before it is flagged silent (when ``WORKER_SILENT_AFTER`` is ``None``).
+MISSED_REPORTS = 3
+#: The report interval assumed for a keeper that did not say its own (older versions).
+DEFAULT_REPORT_INTERVAL_S = 10.0
+
+
+def silent_after(record: ConsumerRecord) -> float:
+    """Seconds without a report after which ``record``'s consumer counts as silent."""
+    configured = conf.get("WORKER_SILENT_AFTER")
+    if configured is not None:
+        return float(configured)
+    return MISSED_REPORTS * (record.report_interval_s or DEFAULT_REPORT_INTERVAL_S)
 
 
 @dataclass
@@ -49,7 +63,6 @@ class WorkerRow:
     name: str
     consumers: list[ConsumerRecord]
     held: list[HeldMessage] = field(default_factory=list)
-    silent_after_s: float = 30.0
     running_in_database: int = 0
 
     @property
@@ -78,8 +91,13 @@ class WorkerRow:
         return None if None in ages else max(ages)
 
     @property
+    def silent_after_s(self) -> float:
+        return max(silent_after(record) for record in self.consumers)
+
+    @property
     def silent(self) -> bool:
-        return self.seen_s_ago > self.silent_after_s
+        """Any of its consumers missed its reports: one stalled channel is enough to flag the worker."""
+        return any(record.seen_s_ago > silent_after(record) for record in self.consumers)
 
     @property
     def state(self) -> str:
@@ -98,7 +116,6 @@ class WorkersReport:
     running_by_worker: dict[str, int] = field(default_factory=dict)
     broker_error: str = ""
     database_error: str = ""
-    silent_after_s: float = 30.0
 
     @property
     def unreported(self) -> dict[str, int]:
@@ -113,7 +130,7 @@ def _split_held(held_id: str) -> tuple[str, str]:
 
 
 def read_workers(app) -> list[ConsumerRecord]:
-    """Consumers reported in the last two minutes. Raises :class:`~queueapp.errors.BrokerUnavailable`."""
+    """Consumers reported in the last ten minutes. Raises :class:`~queueapp.errors.BrokerUnavailable`."""
     with ops_channel(app) as channel:
         client, prefix = channel.fenced_client, channel.global_keyprefix
         return read_consumers(client, prefix=prefix, silent_after_s=SHOWN_FOR_S)
@@ -121,7 +138,7 @@ def read_workers(app) -> list[ConsumerRecord]:
 
 def workers_report(app) -> WorkersReport:
     """Everything the Workers page shows, reading Redis and the database each within its bounds."""
-    report = WorkersReport(silent_after_s=float(conf.get("WORKER_SILENT_AFTER")))
+    report = WorkersReport()
     records: list[ConsumerRecord] = []
     try:
         records = read_workers(app)
@@ -156,7 +173,6 @@ def workers_report(app) -> WorkersReport:
                 name,
                 consumers,
                 held,
-                silent_after_s=report.silent_after_s,
                 running_in_database=report.running_by_worker.get(name, 0),
             )
         )

@@ -9,12 +9,15 @@ two publishes of one key (one run, one suppressed duplicate). The test reads
 back the uPlot instances the page drew and checks their points.
 
 The Workers page is read while the worker sleeps in a long task: its lease
-keeper's report must show the worker live, holding that task.
+keeper's report must show the worker live, holding that task; a second
+worker, frozen with ``SIGSTOP``, must be flagged silent.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import pytest
 from django.urls import reverse
@@ -118,12 +121,25 @@ def test_the_charts_page_draws_the_series_and_the_workers_page_shows_a_live_work
     page.wait_for_function("window.queueappCharts && window.queueappCharts.length === 3")
     assert "queue=reports" in page.url
 
-    # The Workers page: the real worker, live, holding the long task.
-    page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_workers')}")
-    row = page.locator("#workers tr.qa-worker", has_text=worker.name)
-    assert row.count() == 1
-    assert "live" in row.inner_text()
-    assert long_task.id in row.inner_text()  # the held message's outcome: its key is the task id
-    assert "running" in row.inner_text()
-    assert row.locator("td.qa-running").inner_text() == "1"  # the database agrees: one key running on w1
-    screenshot("workers")
+    # A second worker, frozen (SIGSTOP) after it reported: its keeper reports every second (a 3 s
+    # lease), so after three missed reports it is silent.
+    frozen = start_worker(name="w2", lease_timeout=3)
+    assert wait_for(lambda: "w2@" in str([r.name for r in workers.read_workers(app)]), timeout=30)
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        silent = wait_for(lambda: any(r.silent for r in workers.workers_report(app).workers), timeout=30)
+        assert silent, [(r.name, r.seen_s_ago, r.silent_after_s) for r in workers.workers_report(app).workers]
+
+        # The Workers page: the real worker, live, holding the long task; the frozen one, silent.
+        page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_workers')}")
+        row = page.locator("#workers tr.qa-worker", has_text=f"{worker.name}@")
+        assert row.count() == 1
+        assert "live" in row.inner_text()
+        assert long_task.id in row.inner_text()  # the held message's outcome: its key is the task id
+        assert "running" in row.inner_text()
+        assert row.locator("td.qa-running").inner_text() == "1"  # the database agrees: one key running on w1
+        frozen_row = page.locator("#workers tr.qa-worker", has_text="w2@").inner_text()
+        assert "silent" in frozen_row and "no report for more than 3 s" in frozen_row
+        screenshot("workers")
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)

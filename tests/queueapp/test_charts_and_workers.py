@@ -9,6 +9,7 @@ the object the keeper itself writes through).
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from django.core.management import call_command
@@ -159,10 +160,11 @@ def process_name():
     consumers._process_name = before
 
 
-def keeper_entry(queue, name: str) -> ConsumerRegistry:
+def keeper_entry(queue, name: str, interval: float = 10.0) -> ConsumerRegistry:
     """The registry entry a lease keeper of the worker ``name`` writes (the keeper's own object)."""
     consumers.set_process_name(name)
-    return ConsumerRegistry(queue.client, register(queue.client).report_consumer, consumer_id=f"{name}/c1")
+    script = register(queue.client).report_consumer
+    return ConsumerRegistry(queue.client, script, consumer_id=f"{name}/c1", extend_interval_s=interval)
 
 
 def test_the_workers_page_shows_each_worker_what_it_holds_and_its_last_extend(admin_client, queue, effects):
@@ -181,19 +183,31 @@ def test_the_workers_page_shows_each_worker_what_it_holds_and_its_last_extend(ad
     assert busy.key in html and "live" in html
 
 
-def test_a_worker_that_stopped_reporting_is_flagged_silent(admin_client, queue, settings):
-    settings.QUEUEAPP = {"WORKER_SILENT_AFTER": 0.5}
-    keeper_entry(queue, "worker-frozen@test").report(["celery"], [], extended=True)
+@pytest.mark.parametrize(
+    ("setting", "interval"),
+    [
+        ({}, 0.5),  # three missed reports of a keeper that reports every 0.5 s
+        ({"WORKER_SILENT_AFTER": 0.5}, 10.0),  # a fixed threshold, whatever the interval
+    ],
+)
+def test_a_worker_that_stopped_reporting_is_flagged_silent(admin_client, queue, settings, setting, interval):
+    settings.QUEUEAPP = setting
+    keeper_entry(queue, "worker-frozen@test", interval).report(["celery"], [], extended=True)
+    started = time.monotonic()
 
-    def flagged() -> bool:
+    def states() -> list[str]:
         response = admin_client.get(reverse("admin:queueapp_taskoutcome_workers"))
-        return [row.state for row in response.context["report"].workers] == ["silent"]
+        return [row.state for row in response.context["report"].workers]
 
-    assert wait_for(flagged, timeout=10)  # live at first, silent once 0.5 s pass without a report
+    assert states() == ["live"]
+    assert wait_for(lambda: states() == ["silent"], timeout=10)
+    assert time.monotonic() - started >= 0.5
+    html = admin_client.get(reverse("admin:queueapp_taskoutcome_workers")).content.decode()
+    assert "no report for more than" in html
     keeper_entry(queue, "worker-frozen@test").remove()  # a clean stop removes the entry
     response = admin_client.get(reverse("admin:queueapp_taskoutcome_workers"))
     assert response.context["report"].workers == []
-    assert "No worker reported in the last two minutes." in response.content.decode()
+    assert "No worker reported in the last ten minutes." in response.content.decode()
 
 
 def test_running_keys_of_a_worker_without_a_report_are_listed(admin_client, queue, effects):
