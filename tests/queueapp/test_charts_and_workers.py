@@ -215,3 +215,34 @@ def test_running_keys_of_a_worker_without_a_report_are_listed(admin_client, queu
     response = admin_client.get(reverse("admin:queueapp_taskoutcome_workers"))
     assert response.context["report"].unreported
     assert 'id="unreported"' in response.content.decode()
+
+
+TIMEOUT = 0.5
+
+
+@pytest.fixture
+def own_redis(settings, restartable_redis):
+    """The project's Celery app on a Redis of this test alone, which the test pauses."""
+    from queueapp.ops import connection
+
+    settings.QUEUEAPP = {"OPS_BROKER_TIMEOUT": TIMEOUT}
+    reset_connections(app())
+    app().conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
+    connection._outages.clear()
+    yield restartable_redis
+    restartable_redis.resume()
+    connection._outages.clear()
+    reset_connections(app())
+
+
+@pytest.mark.parametrize("page", ["charts", "workers"])
+def test_a_paused_redis_gives_a_banner_within_a_bound(admin_client, own_redis, page):
+    series.sample(app(), force=True)
+    url = reverse(f"admin:queueapp_taskoutcome_{page}")
+    assert "The broker could not be read" not in admin_client.get(url).content.decode()
+    own_redis.pause()
+    started = time.monotonic()
+    response = admin_client.get(url)
+    assert time.monotonic() - started < 4 * TIMEOUT + 1.0
+    assert response.status_code == 200
+    assert f"Redis at 127.0.0.1:{own_redis.port}" in response.content.decode()
