@@ -30,6 +30,7 @@ from django.db import DatabaseError
 from django.db.models import Count, Min
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.utils import timezone
+from django.views.decorators.http import require_safe
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
@@ -290,6 +291,7 @@ def may_scrape(request: HttpRequest) -> bool:
     return _address_allowed(request.META.get("REMOTE_ADDR", ""))
 
 
+@require_safe
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """The Prometheus exposition of :class:`QueueappCollector` (text format, or OpenMetrics if asked)."""
     if not may_scrape(request):

@@ -114,9 +114,11 @@ def test_anonymous_and_non_staff_requests_are_refused(client):
     assert client.get(URL).status_code == 403
 
 
-def test_a_staff_session_may_scrape(client):
+def test_a_staff_session_may_scrape_with_get_only(client):
     client.force_login(scenarios.staff("ops"))
     assert client.get(URL).status_code == 200
+    assert client.head(URL).status_code == 200
+    assert client.post(URL).status_code == 405
 
 
 def test_the_bearer_token_opens_the_scrape(client, settings):
