@@ -78,13 +78,13 @@ def sample(app, *, force: bool = False) -> dict | None:
     from queueapp.metrics import queue_names
 
     interval = float(conf.get("SERIES_INTERVAL"))
-    verdicts = _verdict_counts()
     with ops_channel(app) as channel:
         client, prefix = channel.fenced_client, channel.global_keyprefix
         # The slot lasts a little under the interval, so that a sampler waking slightly early gets its turn.
         slot_ms = max(1, int(interval * 900))
         if not force and interval > 0 and not client.set(slot_key(prefix), "1", nx=True, px=slot_ms):
-            return None
+            return None  # Before any database read: N workers cost the database one sample's queries.
+        verdicts = _verdict_counts()
         queues = {}
         for name in queue_names(app, channel):
             stats = channel.fenced_queue(name).stats()

@@ -21,7 +21,7 @@ from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import register
 from lab.processes import wait_for
 from lab.redis_servers import free_port
-from queueapp.ops import series
+from queueapp.ops import series, workers
 from tests.helpers import reset_connections
 from tests.queueapp import scenarios
 
@@ -246,3 +246,17 @@ def test_a_paused_redis_gives_a_banner_within_a_bound(admin_client, own_redis, p
     assert time.monotonic() - started < 4 * TIMEOUT + 1.0
     assert response.status_code == 200
     assert f"Redis at 127.0.0.1:{own_redis.port}" in response.content.decode()
+
+
+@pytest.mark.slow
+def test_a_real_worker_samples_the_queues_as_it_starts_and_reports_its_consumers(queue, start_worker):
+    queue.publish([OutgoingMessage("m1", b"{}")])  # not a Celery message: the worker dead-letters it
+    worker = start_worker()
+    assert wait_for(lambda: queue.client.zcard(series.series_key()) >= 1, timeout=30), worker.output()[-3000:]
+    (entry,) = stored(queue)
+    assert "celery" in entry["q"] and entry["v"] is not None
+
+    def reported() -> set[float]:  # a third of the 30 s lease: what the page judges silence by
+        return {record.report_interval_s for record in workers.read_workers(app())}
+
+    assert wait_for(lambda: reported() == {10.0}, timeout=30)
