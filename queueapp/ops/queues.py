@@ -42,6 +42,7 @@ def known_queues(app, channel=None) -> list[str]:
         TaskOutcome.objects.using(conf.get("DATABASE"))
         .exclude(queue="")
         .values_list("queue", flat=True)
+        .order_by()  # the model's ordering would make DISTINCT return one row per outcome
         .distinct()
     )
     if channel is not None:

@@ -185,3 +185,19 @@ def test_a_paused_redis_answers_fast_with_the_database_metrics_and_broker_up_0(a
 
 def test_the_docs_list_every_metric():
     assert metrics.markdown_table() in (ROOT / "docs" / "operations.md").read_text()
+
+
+def test_the_queue_list_reads_each_queue_name_once_not_one_row_per_outcome(queue):
+    from django.db import connection as db
+    from django.test.utils import CaptureQueriesContext
+
+    from queueapp.ops.queues import known_queues
+    from settings.celery import app
+
+    TaskOutcome.objects.bulk_create(
+        [TaskOutcome(idempotency_key=f"k{i}", task_name="t", queue=f"q{i % 3}") for i in range(300)]
+    )
+    with CaptureQueriesContext(db) as queries:
+        assert known_queues(app) == ["celery", "q0", "q1", "q2"]
+    (select,) = [q["sql"] for q in queries.captured_queries if "DISTINCT" in q["sql"]]
+    assert "ORDER BY" not in select  # ordered by queued_at, DISTINCT would return all 300 rows
