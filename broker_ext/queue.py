@@ -424,6 +424,8 @@ class FencedQueue:
                     deadline_ms=int(entry.get("deadline_ms") or 0),
                     last_extended_ms=int(entry.get("last_extended_ms") or 0),
                     at_ms=int(entry.get("at_ms") or 0),
+                    extended=bool(entry.get("extended")),
+                    claim=str(entry.get("claim") or ""),
                 )
             )
         return entries

@@ -111,6 +111,8 @@ class ReclaimEntry:
     deadline_ms: int
     last_extended_ms: int
     at_ms: int
+    extended: bool = False  # whether its holder had extended the lease at all (else it stopped at once)
+    claim: str = ""
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,11 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
 
     # -- actions ------------------------------------------------------------------------------
 
+    @staticmethod
+    def operator(request) -> dict[str, str]:
+        """Who runs an action, as the actions record it (``actor``, ``via``)."""
+        return {"actor": request.user.get_username(), "via": "the admin"}
+
     def _run_action(self, request, queryset, name: str, title: str, button: str, service, **options):
         outcomes = list(queryset)
         return run_or_confirm(
@@ -217,12 +222,17 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
     @admin.action(description=_("Requeue selected task outcomes"), permissions=("requeue",))
     def requeue_selected(self, request, queryset):
         return self._run_action(
-            request, queryset, "requeue_selected", _("Requeue"), _("Yes, requeue"), actions.requeue
+            request,
+            queryset,
+            "requeue_selected",
+            _("Requeue"),
+            _("Yes, requeue"),
+            actions.requeue,
+            **self.operator(request),
         )
 
     @admin.action(description=_("Mark selected task outcomes dead"), permissions=("mark_dead",))
     def mark_dead(self, request, queryset):
-        actor = f"{request.user.get_username()} (admin)"
         return self._run_action(
             request,
             queryset,
@@ -230,7 +240,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
             _("Mark dead"),
             _("Yes, mark dead"),
             actions.mark_dead,
-            actor=actor,
+            **self.operator(request),
         )
 
     @admin.action(
@@ -244,4 +254,5 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
             _("Requeue dead-lettered"),
             _("Yes, requeue"),
             actions.requeue_outcomes_dead_letters,
+            **self.operator(request),
         )

@@ -126,7 +126,9 @@ class OpsPagesMixin:
         def run(dry_run: bool) -> list[actions.ActionResult]:
             results = []
             for queue, message_ids in chosen.items():
-                results += actions.requeue_dead_letters(app, queue, message_ids, dry_run=dry_run)
+                results += actions.requeue_dead_letters(
+                    app, queue, message_ids, dry_run=dry_run, **self.operator(request)
+                )
             return results
 
         response = run_or_confirm(
