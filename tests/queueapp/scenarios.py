@@ -180,7 +180,7 @@ def lease_expired_after_commit(
     already succeeded.
     """
     published = publish(demo_tasks.effect, label)
-    short = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=500))
+    short = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=2000))
     claimed = claim_one(short)
     assert short.extend([claimed.delivery]) == [Reply.OK]  # the lease keeper's extend
     run(demo_tasks.effect, published.key, label, claimed, first)
