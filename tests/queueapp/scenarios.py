@@ -182,6 +182,9 @@ def lease_expired_after_commit(
     published = publish(demo_tasks.effect, label)
     short = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=2000))
     claimed = claim_one(short)
+    claimed_ms = short.server_time_ms()
+    # An extend in the claim's own millisecond would not move the deadline: wait for the clock to move.
+    assert wait_for(lambda: short.server_time_ms() > claimed_ms + 5, timeout=5)
     assert short.extend([claimed.delivery]) == [Reply.OK]  # the lease keeper's extend
     run(demo_tasks.effect, published.key, label, claimed, first)
     assert wait_for(lambda: queue.stats().expired_leases == 1, timeout=10), queue.stats()
