@@ -20,6 +20,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 
 from queueapp.admin.confirm import run_or_confirm
+from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
@@ -32,12 +33,12 @@ from queueapp.ops.reports import message_id_of, queue_of
 
 
 class TaskDeliveryInline(admin.TabularInline):
-    """The key's delivery log, newest first: who delivered it with which token, and the verdict."""
+    """The key's delivery log, oldest first (as the timeline numbers it): who, which token, the verdict."""
 
     model = TaskDelivery
     extra = 0
     can_delete = False
-    ordering = ("-started_at", "-id")
+    ordering = ("started_at", "id")
     fields = (
         "started_at",
         "verdict",
@@ -50,6 +51,7 @@ class TaskDeliveryInline(admin.TabularInline):
         "queue",
         "detail",
         "finished_at",
+        "lease_deadline",
     )
     readonly_fields = fields
 
@@ -60,7 +62,7 @@ class TaskDeliveryInline(admin.TabularInline):
         return False
 
 
-class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
+class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
     list_display = (
         "idempotency_key",
         "status_badge",
@@ -84,7 +86,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
         (None, {"fields": ("idempotency_key", "task_name", "status", "queue", "task_id", "message_id")}),
         (
             _("Arguments and result"),
-            {"fields": ("args_json", "kwargs_json", "result_json", "error", "traceback")},
+            {"fields": ("args_json", "kwargs_json", "result_json", "error_pre", "traceback_pre")},
         ),
         (
             _("Deliveries"),

@@ -115,6 +115,14 @@ class Diagnosis:
     deliveries: list[TaskDelivery]
     findings: list[Finding]
     broker_error: str = ""
+    records: BrokerRecords = field(default_factory=BrokerRecords)
+
+    def reclaim_of(self, delivery: TaskDelivery) -> ReclaimEntry | None:
+        """The broker's record of this delivery's lease expiring, if it did and the log still has it."""
+        return _reclaim_of(delivery, self.records.reclaims)
+
+    def finding_of(self, delivery: TaskDelivery) -> Finding | None:
+        return next((f for f in self.findings if f.delivery_id == delivery.pk), None)
 
     @property
     def key(self) -> str:
@@ -382,7 +390,7 @@ def diagnose(
                 at=dedup.at,
             )
         )
-    return Diagnosis(outcome, log, findings, broker.error)
+    return Diagnosis(outcome, log, findings, broker.error, broker)
 
 
 # -- reading the records ----------------------------------------------------------------------------
