@@ -64,6 +64,7 @@ class _Scale:
     """Maps moments to x positions over the span of every mark, with a little margin each side."""
 
     def __init__(self, marks: list[datetime]) -> None:
+        # Pad a short span to a second, so a few milliseconds are not drawn across the whole axis.
         start, stop = min(marks), max(marks)
         span = max((stop - start).total_seconds(), 1.0)
         self.start = start - timedelta(seconds=span * 0.02)
@@ -87,19 +88,28 @@ class _Scale:
         return parts
 
 
+def _lease_end(diagnosis: Diagnosis, d: TaskDelivery) -> tuple[datetime | None, bool]:
+    """Where a delivery's lease line ends: the broker's expiry if it lapsed, else (no verdict yet) the
+    deadline its claim set; and whether that end is the broker's record."""
+    entry = diagnosis.reclaim_of(d)
+    if entry is not None:
+        return _ms(entry.deadline_ms), True
+    if d.finished_at is None and d.lease_deadline is not None:
+        return d.lease_deadline, False
+    return None, False
+
+
 def _marks(diagnosis: Diagnosis, now: datetime) -> list[datetime]:
     marks: list[datetime] = []
     for d in diagnosis.deliveries:
         marks += [d.started_at, d.finished_at or now]
-        if d.lease_deadline:
-            marks.append(d.lease_deadline)
-        entry = diagnosis.reclaim_of(d)
-        if entry is not None:
-            marks.append(_ms(entry.deadline_ms))
+        end, _broker = _lease_end(diagnosis, d)
+        if end is not None:
+            marks.append(end)
     return marks
 
 
-def _bar(n: int, d: TaskDelivery, y: int, scale: _Scale, now: datetime) -> list[str]:
+def _bar(n: int, d: TaskDelivery, y: int, scale: _Scale, now: datetime, label_x: float) -> list[str]:
     end = d.finished_at or now
     x0 = scale.x(d.started_at)
     x1 = max(scale.x(end), x0 + 3)
@@ -112,30 +122,38 @@ def _bar(n: int, d: TaskDelivery, y: int, scale: _Scale, now: datetime) -> list[
         f"token {d.fence_token}, broker delivery {d.delivery_count or '?'}, worker {who}"
         + (f"; {d.detail}" if d.detail else "")
     )
-    label = f"{d.get_verdict_display()} · {duration((end - d.started_at).total_seconds())}"
+    took = duration((end - d.started_at).total_seconds())
+    label = f"{d.get_verdict_display()} · {took}" if d.finished_at else f"no verdict yet · {took} so far"
     return [
         f'<text x="4" y="{y + 17}" fill="currentColor">delivery {n}{escape(retry)}</text>'
         f'<text x="4" y="{y + 29}" fill="#777" font-size="10">{escape(who[:30])}</text>',
         f'<rect class="qa-bar qa-bar-{escape(d.verdict)}" data-delivery="{n}" x="{x0:.1f}" y="{y + 6}" '
         f'width="{x1 - x0:.1f}" height="16" rx="3" fill="{colour}"><title>{escape(title)}</title></rect>',
-        f'<text x="{x1 + 6:.1f}" y="{y + 18}" fill="{colour}">'
-        f"{escape(label if d.finished_at else 'no verdict yet')}</text>",
+        f'<text x="{max(label_x, x1) + 8:.1f}" y="{y + 18}" fill="{colour}">'
+        f"{_clock(d.started_at, scale.precise)} · {escape(label)}</text>",
     ]
 
 
-def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -> list[str]:
-    parts = []
-    if d.lease_deadline:
-        lx = scale.x(d.lease_deadline)
+def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -> tuple[list[str], float]:
+    """The lease line, last extend and expiry of a delivery; and the x where its marks end."""
+    end, from_broker = _lease_end(diagnosis, d)
+    if end is None:
+        return [], 0.0
+    x0, ex = scale.x(d.started_at), scale.x(end)
+    held = (end - d.started_at).total_seconds()
+    parts = [
+        f'<line class="qa-held" x1="{x0:.1f}" x2="{ex:.1f}" y1="{y + 14}" y2="{y + 14}" stroke="#90a4ae" '
+        f'stroke-width="2"><title>lease held {duration(held)}</title></line>'
+    ]
+    if not from_broker:
         parts.append(
-            f'<line class="qa-lease" x1="{lx:.1f}" x2="{lx:.1f}" y1="{y + 2}" y2="{y + 26}" '
+            f'<line class="qa-lease" x1="{ex:.1f}" x2="{ex:.1f}" y1="{y + 2}" y2="{y + 26}" '
             f'stroke="#1565c0" stroke-dasharray="3,2"><title>lease deadline set by the claim: '
-            f"{_clock(d.lease_deadline, True)}</title></line>"
+            f"{_clock(end, True)} (extended in the broker while its worker lives)</title></line>"
         )
+        return parts, ex
     entry = diagnosis.reclaim_of(d)
-    if entry is None:
-        return parts
-    if entry.extended:
+    if entry is not None and entry.extended:
         extended = _ms(entry.last_extended_ms)
         ax = scale.x(extended)
         parts.append(
@@ -143,13 +161,12 @@ def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -
             f'stroke="#6a1b9a" stroke-width="2"><title>last lease extend: '
             f"{_clock(extended, True)}</title></line>"
         )
-    expired = _ms(entry.deadline_ms)
-    ex = scale.x(expired)
     parts.append(
         f'<path class="qa-expired" d="M{ex - 5:.1f},{y + 9} l10,10 m0,-10 l-10,10" stroke="#c62828" '
-        f'stroke-width="2.5"><title>lease expired (broker): {_clock(expired, True)}</title></path>'
+        f'stroke-width="2.5"><title>lease expired (broker): {_clock(end, True)}, '
+        f"held {duration(held)}</title></path>"
     )
-    return parts
+    return parts, ex + 5
 
 
 def timeline_svg(diagnosis: Diagnosis, now: datetime | None = None) -> SafeString:
@@ -167,8 +184,9 @@ def timeline_svg(diagnosis: Diagnosis, now: datetime | None = None) -> SafeStrin
     ]
     for n, d in enumerate(log, 1):
         y = TOP + ROW * (n - 1)
-        parts += _bar(n, d, y, scale, now)
-        parts += _lease_marks(diagnosis, d, y, scale)
+        marks, marks_end = _lease_marks(diagnosis, d, y, scale)
+        parts += marks
+        parts += _bar(n, d, y, scale, now, marks_end)
     parts += scale.axis(TOP + ROW * len(log) + 4)
     parts.append("</svg>")
     return mark_safe("".join(parts))  # Every interpolated text is escaped above.
