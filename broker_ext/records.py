@@ -116,6 +116,29 @@ class ReclaimEntry:
 
 
 @dataclass(frozen=True)
+class RequeueEntry:
+    """A delivery its consumer gave back (reject, shutdown, an exactly-once deferral), and why."""
+
+    queue: str
+    message_id: str
+    token: int
+    deliveries: int
+    counted: bool
+    delay_ms: int
+    token_floor: int
+    reason: str
+    at_ms: int
+
+    def describe(self) -> str:
+        """Why, as a sentence part: the reason given, else what a reason-less requeue means."""
+        if self.reason:
+            return self.reason
+        if self.counted:
+            return "rejected by its worker (requeue)"
+        return "given back unspent (its worker shut down or closed its channel)"
+
+
+@dataclass(frozen=True)
 class ReclaimResult:
     """What one reclaim did: how many leases went back to ready, and which messages were dead-lettered."""
 

@@ -8,8 +8,10 @@ read from what was recorded, never guessed. The records are:
   the lease deadline each claim set;
 * the operators' actions on the key (:class:`~queueapp.models.OperatorAction`);
 * the broker's reclaim log (each lease that expired: its deadline, when its
-  holder last extended it, whether it had extended it at all) and its dedup
-  log (each publish dropped because another message held the key).
+  holder last extended it, whether it had extended it at all), its requeue
+  log (each delivery its worker gave back, and why: "database unavailable",
+  a token floor, a reject, a shutdown) and its dedup log (each publish
+  dropped because another message held the key).
 
 :func:`diagnose` is a pure function from those records to sentences, so each
 cause is tested with real rows; :func:`diagnose_outcomes` reads the records
@@ -27,7 +29,7 @@ from datetime import UTC, datetime
 
 from django.utils import timezone
 
-from broker_ext.records import ReclaimEntry
+from broker_ext.records import ReclaimEntry, RequeueEntry
 from queueapp import conf
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
@@ -74,6 +76,7 @@ class BrokerRecords:
     """What the broker's logs say about one key, or why they could not be read."""
 
     reclaims: list[ReclaimEntry] = field(default_factory=list)
+    requeues: list[RequeueEntry] = field(default_factory=list)
     dedups: list[DedupRecord] = field(default_factory=list)
     error: str = ""
 
@@ -233,6 +236,34 @@ def _reclaim_of(previous: TaskDelivery, reclaims: Sequence[ReclaimEntry]) -> Rec
     return min(found, key=lambda e: e.at_ms) if found else None
 
 
+def _requeue_of(message_id: str, count: int | None, requeues: Sequence[RequeueEntry]) -> RequeueEntry | None:
+    """The broker's record of the delivery ``count`` of ``message_id`` being given back by its worker."""
+    found = [e for e in requeues if e.message_id == message_id and count and e.deliveries == count]
+    return min(found, key=lambda e: e.at_ms) if found else None
+
+
+def _unlogged(message_id: str, counts: range, broker: BrokerRecords) -> tuple[Cause, str]:
+    """What the broker recorded of deliveries that wrote no row (their workers did not reach the database)."""
+    said, causes = [], set()
+    for count in counts:
+        requeue = _requeue_of(message_id, count, broker.requeues)
+        lapsed = [e for e in broker.reclaims if e.message_id == message_id and e.deliveries == count]
+        if requeue is not None:
+            said.append(f"broker delivery {count} was given back by its worker: {requeue.describe()}")
+            causes.add(Cause.DEFERRED)
+        elif lapsed:
+            said.append(f"broker delivery {count}'s lease expired at {_clock(_ms(lapsed[0].deadline_ms))}")
+            causes.add(Cause.LEASE_EXPIRED)
+        elif broker.readable:
+            said.append(f"broker delivery {count}: no record of why it ended")
+            causes.add(Cause.UNRECORDED)
+    if not broker.readable:
+        said.append("the broker's records could not be read")
+        causes.add(Cause.UNRECORDED)
+    cause = causes.pop() if len(causes) == 1 else Cause.UNRECORDED
+    return cause, "; ".join(said)
+
+
 def _expiry_why(n: int, j: int, delivery: TaskDelivery, previous: TaskDelivery, entry: ReclaimEntry) -> str:
     deadline = _ms(entry.deadline_ms)
     holder = _worker(previous)
@@ -258,9 +289,11 @@ def _same_message_why(
         ((i, d) for i, d in enumerate(log[: n - 1], 1) if d.message_id == delivery.message_id),
         key=lambda pair: pair[0],
     )
-    if previous.verdict == Verdict.DEFERRED:
-        return Cause.DEFERRED, f"delivery {n} is delivery {j} given back to the broker by its worker"
     count, before = delivery.delivery_count, previous.delivery_count
+    requeue = _requeue_of(previous.message_id, before, broker.requeues)
+    if previous.verdict == Verdict.DEFERRED or requeue is not None:
+        why = f": {requeue.describe()}" if requeue is not None else ""
+        return Cause.DEFERRED, f"delivery {n} is delivery {j} given back to the broker by its worker{why}"
     broker_tokens = delivery.token_source == TaskDelivery.TokenSource.BROKER
     if count and before and count <= before:
         return Cause.BROKER_LOST_WRITES, (
@@ -275,9 +308,10 @@ def _same_message_why(
         )
     gap = ""
     if count and before and count > before + 1:
+        _cause, known = _unlogged(delivery.message_id, range(before + 1, count), broker)
         gap = (
             f"; broker deliveries {before + 1} to {count - 1} left no record in the database "
-            "(their workers did not reach it)"
+            f"(their workers did not reach it): {known}"
         )
     if not broker.readable:
         deadline = previous.lease_deadline
@@ -338,15 +372,10 @@ def _why(
         return Cause.CELERY_RETRY, f"delivery {n}: Celery retry {delivery.retries}{of}{before}"
     if n == 1:
         if delivery.delivery_count and delivery.delivery_count > 1:
-            lapsed = [e for e in broker.reclaims if e.message_id == delivery.message_id]
-            known = (
-                f"; the broker's reclaim log has {len(lapsed)} lease expiry(ies) of it"
-                if lapsed
-                else ("" if broker.readable else "; the broker's reclaim log could not be read")
-            )
-            return Cause.UNRECORDED, (
+            cause, known = _unlogged(delivery.message_id, range(1, delivery.delivery_count), broker)
+            return cause, (
                 f"delivery 1 is the broker's delivery {delivery.delivery_count} of its message: the earlier "
-                f"ones left no record in the database (their workers did not reach it){known}"
+                f"ones left no record in the database (their workers did not reach it): {known}"
             )
         return Cause.FIRST, "delivery 1 (the first)"
     return Cause.PUBLISHED_AGAIN, (
@@ -418,16 +447,18 @@ def _broker_records(app, outcomes: list[TaskOutcome], logs: dict[int, list[TaskD
             for name, message_ids in wanted.items():
                 queue = channel.fenced_queue(name)
                 reclaims = [e for e in queue.reclaim_log(BROKER_LOG_LIMIT) if e.message_id in message_ids]
+                requeues = [e for e in queue.requeue_log(BROKER_LOG_LIMIT) if e.message_id in message_ids]
                 for outcome in outcomes:
                     ids = {d.message_id for d in logs.get(outcome.pk, [])}
                     records[outcome.pk].reclaims += [e for e in reclaims if e.message_id in ids]
+                    records[outcome.pk].requeues += [e for e in requeues if e.message_id in ids]
                 for entry in queue.dedup_log(BROKER_LOG_LIMIT):
                     pk = by_key.get(entry.dedup_key.removeprefix(DEDUP_KEY_PREFIX))
                     if pk is not None:
                         records[pk].dedups.append(DedupRecord(name, entry.dropped, entry.kept, entry.at))
     except BrokerUnavailable as exc:
         for record in records.values():
-            record.reclaims, record.dedups, record.error = [], [], str(exc)
+            record.reclaims, record.requeues, record.dedups, record.error = [], [], [], str(exc)
     return records
 
 

@@ -18,7 +18,7 @@ from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue, QueueOptions
 from broker_ext.records import Claimed
 from lab.processes import wait_for
-from queueapp import ledger
+from queueapp import broker, ledger
 from queueapp.decorators import policy_of
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import DeliveryRefused
@@ -247,3 +247,25 @@ def run(task, key: str, label: str, claimed: Claimed, worker: str) -> None:
     execute(
         task, key, lambda: demo_tasks.record_effect(label), (label,), {}, delivery_of(task, claimed, worker)
     )
+
+
+def deferred_database_unavailable(queue: FencedQueue, label: str) -> Published:
+    """``effect(label)`` whose first worker could not reach the database: it gave the delivery back
+    (``queueapp.broker.defer``, as ``execution._database_unavailable`` does) and wrote no row; the
+    second delivery ran."""
+    published = publish(demo_tasks.effect, label)
+    claimed = claim_one(queue)
+    delivery = delivery_of(demo_tasks.effect, claimed, "w1@db-down")
+    deferral = broker.defer(
+        demo_tasks.effect.app,
+        delivery,
+        token_floor=claimed.delivery.token + 1,
+        delay=0,
+        counted=True,
+        reason="database unavailable",
+    )
+    assert deferral is broker.Deferral.DEFERRED
+    again = claim_one(queue)
+    run(demo_tasks.effect, published.key, label, again, "w2@test")
+    queue.ack([again.delivery])
+    return published

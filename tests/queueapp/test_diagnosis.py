@@ -16,6 +16,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
+from queueapp import ledger
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 from queueapp.ops import actions
 from queueapp.ops.diagnosis import BrokerRecords, Cause, diagnose, diagnose_outcome, diagnose_outcomes
@@ -147,6 +148,40 @@ def test_deliveries_that_left_no_record_say_so_and_the_cause_is_not_guessed():
     assert finding.cause is Cause.UNRECORDED
     assert "delivery 1 is the broker's delivery 3 of its message: the earlier ones left no record" in (
         finding.sentence
+    )
+
+
+def test_a_delivery_given_back_while_the_database_was_down_is_read_from_the_brokers_requeue_log(
+    queue, effects
+):
+    published = scenarios.deferred_database_unavailable(queue, "db-down:1")
+    (finding,) = findings(published.key)
+    assert finding.cause is Cause.DEFERRED
+    assert finding.sentence.startswith(
+        "delivery 1 is the broker's delivery 2 of its message: the earlier ones left no record in the "
+        "database (their workers did not reach it): broker delivery 1 was given back by its worker: "
+        "database unavailable — executed and committed"
+    )
+
+
+def test_a_reject_with_requeue_is_read_from_the_brokers_requeue_log(queue, effects):
+    published = scenarios.publish(demo_tasks.effect, "reject:1")
+    first = scenarios.claim_one(queue)
+    claim = ledger.claim(
+        published.key,
+        scenarios.delivery_of(demo_tasks.effect, first),
+        args=["reject:1"],
+        kwargs={},
+        lease_seconds=30,
+    )
+    ledger.record_failure(claim, RuntimeError("worker lost"), retrying=True)
+    queue.requeue([first.delivery], counted=True)  # Celery's Reject(requeue=True)
+    second = scenarios.claim_one(queue)
+    scenarios.run(demo_tasks.effect, published.key, "reject:1", second, "w2@test")
+    (finding,) = findings(published.key)
+    assert finding.cause is Cause.DEFERRED
+    assert finding.sentence.startswith(
+        "delivery 2 is delivery 1 given back to the broker by its worker: rejected by its worker (requeue)"
     )
 
 
