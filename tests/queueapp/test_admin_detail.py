@@ -12,7 +12,9 @@ from html import unescape
 import pytest
 from django.urls import reverse
 
+from lab.redis_servers import free_port
 from queueapp.models import OperatorAction, TaskOutcome
+from tests.helpers import reset_connections
 from tests.queueapp import scenarios
 
 pytestmark = [
@@ -87,3 +89,20 @@ def test_the_duplicates_page_has_a_sentence_per_extra_delivery(admin_client, que
     assert published.key in section and key in section
     assert "delivery 2 came " in section and "stopped extending at" in section
     assert "the key was published again as another task" in section
+
+
+def test_with_redis_down_the_page_gives_what_the_database_knows(admin_client, queue, effects):
+    from settings.celery import app
+
+    published = scenarios.lease_expired_after_commit(queue, "detail:6", first="w3@test")
+    reset_connections(app)
+    app.conf.broker_url = f"fenced://127.0.0.1:{free_port()}/0"
+    html = detail(admin_client, published.outcome())
+    assert "The broker's records could not be read, so this is what the database knows:" in html
+    assert "delivery 2 is the broker's redelivery of delivery 1's message" in html
+    assert len(re.findall(r'<rect class="qa-bar ', html)) == 2  # the timeline from the database alone
+    duplicates = admin_client.get(reverse("admin:queueapp_taskoutcome_duplicates"))
+    assert duplicates.status_code == 200
+    assert "delivery 2 is the broker's redelivery of delivery 1's message" in unescape(
+        duplicates.content.decode()
+    )
