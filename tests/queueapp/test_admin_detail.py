@@ -79,6 +79,9 @@ def test_the_buttons_show_with_their_permission_and_go_through_the_confirmation(
     client.post(changelist, forced)
     assert TaskOutcome.objects.get(pk=outcome.pk).status == TaskOutcome.Status.QUEUED
     assert OperatorAction.objects.get(outcome=outcome).by == "alice from the admin"
+    client.force_login(scenarios.staff("auditor", "view_operatoraction"))
+    listed = client.get(reverse("admin:queueapp_operatoraction_changelist")).content.decode()
+    assert "alice" in listed and "the admin" in listed
 
 
 def test_the_duplicates_page_has_a_sentence_per_extra_delivery(admin_client, queue, effects):
