@@ -88,15 +88,19 @@ class _Scale:
         return parts
 
 
-def _lease_end(diagnosis: Diagnosis, d: TaskDelivery) -> tuple[datetime | None, bool]:
-    """Where a delivery's lease line ends: the broker's expiry if it lapsed, else (no verdict yet) the
-    deadline its claim set; and whether that end is the broker's record."""
+def _lease_end(diagnosis: Diagnosis, d: TaskDelivery) -> tuple[datetime | None, str]:
+    """Where a delivery's lease line ends, and by whose record: ``expired`` (the broker's reclaim log),
+    ``live`` (the broker's lease now, kept extended by its worker) or ``claim`` (the deadline its claim
+    set, for a delivery without a verdict when the broker says nothing)."""
     entry = diagnosis.reclaim_of(d)
     if entry is not None:
-        return _ms(entry.deadline_ms), True
+        return _ms(entry.deadline_ms), "expired"
+    live = diagnosis.live_lease_of(d)
+    if live is not None:
+        return live, "live"
     if d.finished_at is None and d.lease_deadline is not None:
-        return d.lease_deadline, False
-    return None, False
+        return d.lease_deadline, "claim"
+    return None, ""
 
 
 def _marks(diagnosis: Diagnosis, now: datetime) -> list[datetime]:
@@ -136,7 +140,7 @@ def _bar(n: int, d: TaskDelivery, y: int, scale: _Scale, now: datetime, label_x:
 
 def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -> tuple[list[str], float]:
     """The lease line, last extend and expiry of a delivery; and the x where its marks end."""
-    end, from_broker = _lease_end(diagnosis, d)
+    end, kind = _lease_end(diagnosis, d)
     if end is None:
         return [], 0.0
     x0, ex = scale.x(d.started_at), scale.x(end)
@@ -145,7 +149,14 @@ def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -
         f'<line class="qa-held" x1="{x0:.1f}" x2="{ex:.1f}" y1="{y + 14}" y2="{y + 14}" stroke="#90a4ae" '
         f'stroke-width="2"><title>lease held {duration(held)}</title></line>'
     ]
-    if not from_broker:
+    if kind == "live":
+        parts.append(
+            f'<line class="qa-live-lease" x1="{ex:.1f}" x2="{ex:.1f}" y1="{y + 2}" y2="{y + 26}" '
+            f'stroke="#2e7d32" stroke-width="2"><title>lease extended by its worker, now until '
+            f"{_clock(end, True)} (broker)</title></line>"
+        )
+        return parts, ex
+    if kind == "claim":
         parts.append(
             f'<line class="qa-lease" x1="{ex:.1f}" x2="{ex:.1f}" y1="{y + 2}" y2="{y + 26}" '
             f'stroke="#1565c0" stroke-dasharray="3,2"><title>lease deadline set by the claim: '

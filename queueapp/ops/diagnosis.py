@@ -29,12 +29,12 @@ from datetime import UTC, datetime
 
 from django.utils import timezone
 
-from broker_ext.records import ReclaimEntry, RequeueEntry
+from broker_ext.records import MessageState, Place, ReclaimEntry, RequeueEntry
 from queueapp import conf
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 from queueapp.ops.connection import ops_channel
-from queueapp.ops.reports import DEDUP_KEY_PREFIX, queue_of
+from queueapp.ops.reports import DEDUP_KEY_PREFIX, broker_states, queue_of
 
 Verdict = TaskDelivery.Verdict
 
@@ -78,6 +78,7 @@ class BrokerRecords:
     reclaims: list[ReclaimEntry] = field(default_factory=list)
     requeues: list[RequeueEntry] = field(default_factory=list)
     dedups: list[DedupRecord] = field(default_factory=list)
+    live: MessageState | None = None  # where the broker holds the key's latest message now
     error: str = ""
 
     @property
@@ -123,6 +124,15 @@ class Diagnosis:
     def reclaim_of(self, delivery: TaskDelivery) -> ReclaimEntry | None:
         """The broker's record of this delivery's lease expiring, if it did and the log still has it."""
         return _reclaim_of(delivery, self.records.reclaims)
+
+    def live_lease_of(self, delivery: TaskDelivery) -> datetime | None:
+        """The lease deadline the broker holds now for this delivery, while its worker keeps extending it."""
+        live = self.records.live
+        if live is None or live.place is not Place.LEASED or delivery.finished_at is not None:
+            return None
+        if live.message_id != delivery.message_id or live.deliveries != (delivery.delivery_count or 0):
+            return None
+        return _ms(live.score_ms) if live.score_ms else None
 
     def finding_of(self, delivery: TaskDelivery) -> Finding | None:
         return next((f for f in self.findings if f.delivery_id == delivery.pk), None)
@@ -444,6 +454,8 @@ def _broker_records(app, outcomes: list[TaskOutcome], logs: dict[int, list[TaskD
     by_key = {o.idempotency_key: o.pk for o in outcomes}
     try:
         with ops_channel(app) as channel:
+            for pk, state in broker_states(app, outcomes, channel).items():
+                records[pk].live = state
             for name, message_ids in wanted.items():
                 queue = channel.fenced_queue(name)
                 reclaims = [e for e in queue.reclaim_log(BROKER_LOG_LIMIT) if e.message_id in message_ids]
@@ -459,6 +471,7 @@ def _broker_records(app, outcomes: list[TaskOutcome], logs: dict[int, list[TaskD
     except BrokerUnavailable as exc:
         for record in records.values():
             record.reclaims, record.requeues, record.dedups, record.error = [], [], [], str(exc)
+            record.live = None
     return records
 
 

@@ -45,6 +45,13 @@ def test_the_diagnosis_timeline_and_delivery_log_come_before_the_raw_message(adm
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", html)  # and so is every timestamp
 
 
+def test_a_running_delivery_shows_the_lease_its_worker_keeps_extending(admin_client, queue):
+    published = scenarios.held_by_live_worker(queue, "detail:7")
+    html = detail(admin_client, published.outcome())
+    assert 'class="qa-bar qa-bar-started"' in html and 'class="qa-live-lease"' in html
+    assert "lease extended by its worker, now until" in html and "no verdict yet" in html
+
+
 def test_a_stale_refusal_is_a_red_bar_and_its_sentence(admin_client, queue, effects):
     published = scenarios.stale_commit_refused(queue, "detail:2")
     html = detail(admin_client, published.outcome())
