@@ -416,7 +416,8 @@ def diagnose(
         if cause is Cause.FIRST and delivery.verdict in RAN:
             continue  # The first run, whatever its end: the deliveries after it say why they came.
         if delivery.verdict == Verdict.REFUSED_STALE:
-            why = f"{why}; {_stale_why(delivery, log)}"
+            stale = _stale_why(delivery, log)
+            why = f"delivery {n}: {stale} while it ran" if cause is Cause.FIRST else f"{why}; {stale}"
         findings.append(Finding(n, cause, why, absorbed(delivery), delivery.pk, delivery.started_at))
     for dedup in broker.dedups:
         findings.append(

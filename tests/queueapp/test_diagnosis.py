@@ -49,7 +49,7 @@ def test_a_lease_that_expired_after_the_commit_is_explained_with_the_workers_las
 def test_a_stale_commit_names_the_newer_delivery_that_took_the_key(queue, effects):
     published = scenarios.stale_commit_refused(queue, "stale:1")
     first, second = findings(published.key)
-    assert first.number == 1
+    assert first.number == 1 and first.sentence.startswith("delivery 1: a newer delivery (delivery 2, token ")
     assert (
         "a newer delivery (delivery 2, token " in first.sentence
         and "worker w2@test) took the key" in first.sentence
