@@ -274,6 +274,14 @@ def _unlogged(message_id: str, counts: range, broker: BrokerRecords) -> tuple[Ca
     return cause, "; ".join(said)
 
 
+def _committed_in_lease(previous: TaskDelivery, entry: ReclaimEntry) -> bool:
+    """Whether ``previous`` committed before its lease expired: then only its ack was missing."""
+    finished = previous.finished_at
+    return (
+        previous.verdict == Verdict.EXECUTED and finished is not None and finished <= _ms(entry.deadline_ms)
+    )
+
+
 def _expiry_why(n: int, j: int, delivery: TaskDelivery, previous: TaskDelivery, entry: ReclaimEntry) -> str:
     deadline = _ms(entry.deadline_ms)
     holder = _worker(previous)
@@ -282,7 +290,7 @@ def _expiry_why(n: int, j: int, delivery: TaskDelivery, previous: TaskDelivery, 
     else:
         claimed = _clock(previous.started_at)
         stopped = f"{holder} never extended it (it stopped right after claiming, at {claimed})"
-    if previous.verdict == Verdict.EXECUTED and previous.finished_at and previous.finished_at <= deadline:
+    if _committed_in_lease(previous, entry):
         stopped += (
             f", after it had committed at {_clock(previous.finished_at)} but before its ack reached the "
             "broker (or a Redis failover or restart lost the ack)"
@@ -313,9 +321,8 @@ def _same_message_why(
         )
     entry = _reclaim_of(previous, broker.reclaims)
     if entry is not None:
-        return (Cause.ACK_LOST if previous.verdict == Verdict.EXECUTED else Cause.LEASE_EXPIRED), _expiry_why(
-            n, j, delivery, previous, entry
-        )
+        cause = Cause.ACK_LOST if _committed_in_lease(previous, entry) else Cause.LEASE_EXPIRED
+        return cause, _expiry_why(n, j, delivery, previous, entry)
     gap = ""
     if count and before and count > before + 1:
         _cause, known = _unlogged(delivery.message_id, range(before + 1, count), broker)
