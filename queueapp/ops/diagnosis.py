@@ -51,6 +51,7 @@ class Cause(enum.Enum):
 
     FIRST = "first delivery"
     LEASE_EXPIRED = "lease expired"
+    LATE = "late delivery"
     ACK_LOST = "ack lost"
     BROKER_LOST_WRITES = "broker lost writes"
     DEFERRED = "given back"
@@ -252,23 +253,41 @@ def _requeue_of(message_id: str, count: int | None, requeues: Sequence[RequeueEn
     return min(found, key=lambda e: e.at_ms) if found else None
 
 
-def _unlogged(message_id: str, counts: range, broker: BrokerRecords) -> tuple[Cause, str]:
-    """What the broker recorded of deliveries that wrote no row (their workers did not reach the database)."""
+def _earlier(
+    message_id: str, counts: range, log: Sequence[TaskDelivery], broker: BrokerRecords
+) -> tuple[Cause, str]:
+    """How the broker's earlier deliveries ``counts`` of a message ended: each one reached the database
+    only later (a late delivery, numbered in the log), or never; and what the broker recorded of it."""
     said, causes = [], set()
     for count in counts:
         requeue = _requeue_of(message_id, count, broker.requeues)
         lapsed = [e for e in broker.reclaims if e.message_id == message_id and e.deliveries == count]
-        if requeue is not None:
-            said.append(f"broker delivery {count} was given back by its worker: {requeue.describe()}")
+        later = [i for i, d in enumerate(log, 1) if d.message_id == message_id and d.delivery_count == count]
+        if later:
+            expired = f": its lease expired at {_clock(_ms(lapsed[0].deadline_ms))}" if lapsed else ""
+            said.append(
+                f"broker delivery {count} reached the database only later, as delivery {later[0]}{expired}"
+            )
+            causes.add(Cause.LATE)
+        elif requeue is not None:
+            said.append(
+                f"broker delivery {count} left no record in the database and was given back by its worker: "
+                f"{requeue.describe()}"
+            )
             causes.add(Cause.DEFERRED)
         elif lapsed:
-            said.append(f"broker delivery {count}'s lease expired at {_clock(_ms(lapsed[0].deadline_ms))}")
+            expired = _clock(_ms(lapsed[0].deadline_ms))
+            said.append(
+                f"broker delivery {count} left no record in the database; its lease expired at {expired}"
+            )
             causes.add(Cause.LEASE_EXPIRED)
         elif broker.readable:
-            said.append(f"broker delivery {count}: no record of why it ended")
+            said.append(
+                f"broker delivery {count} left no record in the database, and the broker's logs none of why"
+            )
             causes.add(Cause.UNRECORDED)
     if not broker.readable:
-        said.append("the broker's records could not be read")
+        said.append("broker deliveries with no row in the database: the broker's records could not be read")
         causes.add(Cause.UNRECORDED)
     cause = causes.pop() if len(causes) == 1 else Cause.UNRECORDED
     return cause, "; ".join(said)
@@ -289,7 +308,10 @@ def _expiry_why(n: int, j: int, delivery: TaskDelivery, previous: TaskDelivery, 
         stopped = f"{holder} stopped extending at {_clock(_ms(entry.last_extended_ms))} (killed or paused)"
     else:
         claimed = _clock(previous.started_at)
-        stopped = f"{holder} never extended it (it stopped right after claiming, at {claimed})"
+        stopped = (
+            f"{holder} never extended it (its lease keeper stopped before the first extend: killed or "
+            f"paused soon after it claimed at {claimed})"
+        )
     if _committed_in_lease(previous, entry):
         stopped += (
             f", after it had committed at {_clock(previous.finished_at)} but before its ack reached the "
@@ -313,9 +335,18 @@ def _same_message_why(
         why = f": {requeue.describe()}" if requeue is not None else ""
         return Cause.DEFERRED, f"delivery {n} is delivery {j} given back to the broker by its worker{why}"
     broker_tokens = delivery.token_source == TaskDelivery.TokenSource.BROKER
-    if count and before and count <= before:
+    if count and before and count < before:
+        lapsed = [e for e in broker.reclaims if e.message_id == delivery.message_id and e.deliveries == count]
+        expired = f", which expired at {_clock(_ms(lapsed[0].deadline_ms))}" if lapsed else ""
+        return Cause.LATE, (
+            f"delivery {n} is the broker's delivery {count} of its message, handed out before delivery {j} "
+            f"(broker delivery {before}) but reaching the database only after it: {_worker(delivery)} was "
+            f"held up past its lease{expired} (paused, or its connection stalled), and the broker had "
+            "delivered the message again"
+        )
+    if count and before and count == before:
         return Cause.BROKER_LOST_WRITES, (
-            f"delivery {n} came with broker delivery count {count} again (delivery {j} had {before}): "
+            f"delivery {n} came with broker delivery count {count} again, as delivery {j} had: "
             "the broker lost writes, as a Redis failover or restart does, delivery "
             f"{j}'s claim{' and ack' if previous.verdict != Verdict.STARTED else ''} among them"
         )
@@ -325,11 +356,8 @@ def _same_message_why(
         return cause, _expiry_why(n, j, delivery, previous, entry)
     gap = ""
     if count and before and count > before + 1:
-        _cause, known = _unlogged(delivery.message_id, range(before + 1, count), broker)
-        gap = (
-            f"; broker deliveries {before + 1} to {count - 1} left no record in the database "
-            f"(their workers did not reach it): {known}"
-        )
+        _cause, known = _earlier(delivery.message_id, range(before + 1, count), log, broker)
+        gap = f"; before it, {known}"
     if not broker.readable:
         deadline = previous.lease_deadline
         since = (
@@ -389,10 +417,10 @@ def _why(
         return Cause.CELERY_RETRY, f"delivery {n}: Celery retry {delivery.retries}{of}{before}"
     if n == 1:
         if delivery.delivery_count and delivery.delivery_count > 1:
-            cause, known = _unlogged(delivery.message_id, range(1, delivery.delivery_count), broker)
+            cause, known = _earlier(delivery.message_id, range(1, delivery.delivery_count), log, broker)
             return cause, (
-                f"delivery 1 is the broker's delivery {delivery.delivery_count} of its message: the earlier "
-                f"ones left no record in the database (their workers did not reach it): {known}"
+                f"delivery 1 is the broker's delivery {delivery.delivery_count} of its message; before it, "
+                f"{known}"
             )
         return Cause.FIRST, "delivery 1 (the first)"
     return Cause.PUBLISHED_AGAIN, (

@@ -56,7 +56,9 @@ def test_a_stale_commit_names_the_newer_delivery_that_took_the_key(queue, effect
     )
     assert "this one's commit was refused (stale token" in first.sentence
     assert second.cause is Cause.LEASE_EXPIRED
-    assert "after delivery 1's lease expired; worker w1@paused never extended it" in second.sentence
+    assert "after delivery 1's lease expired; worker w1@paused never extended it (its lease keeper" in (
+        second.sentence
+    )
     assert second.sentence.endswith("— executed and committed: the key's one success")
 
 
@@ -123,8 +125,34 @@ def test_a_delivery_count_handed_out_again_is_a_broker_that_lost_writes_in_a_fai
     )
     (finding,) = diagnose(outcome, outcome.delivery_log.all(), broker=BrokerRecords()).findings
     assert finding.cause is Cause.BROKER_LOST_WRITES
-    assert "with broker delivery count 1 again (delivery 1 had 1)" in finding.sentence
+    assert "with broker delivery count 1 again, as delivery 1 had" in finding.sentence
     assert "Redis failover or restart" in finding.sentence and "claim and ack among them" in finding.sentence
+
+
+def test_a_delivery_that_reaches_the_database_after_its_redelivery_is_a_late_one():
+    """As the lab's Redis pause makes it: broker delivery 1 is held up past its lease, delivery 2 runs."""
+    outcome = _outcome("late:1")
+    now = timezone.now()
+    _delivery(outcome, now, verdict=Verdict.EXECUTED, delivery_count=2, fence_token=9, worker="w2")
+    _delivery(
+        outcome,
+        now + timedelta(seconds=3),
+        verdict=Verdict.SUPPRESSED_DUPLICATE,
+        fence_token=5,
+        detail="key already succeeded (cache)",
+        worker="w1",
+    )
+    first, second = diagnose(outcome, outcome.delivery_log.all()).findings
+    assert first.cause is Cause.LATE
+    assert first.sentence.startswith(
+        "delivery 1 is the broker's delivery 2 of its message; before it, broker delivery 1 reached the "
+        "database only later, as delivery 2 — executed and committed"
+    )
+    assert second.cause is Cause.LATE
+    assert second.sentence.startswith(
+        "delivery 2 is the broker's delivery 1 of its message, handed out before delivery 1 (broker delivery "
+        "2) but reaching the database only after it: worker w1 was held up past its lease"
+    )
 
 
 def test_a_deferred_delivery_is_the_one_given_back():
@@ -146,8 +174,9 @@ def test_deliveries_that_left_no_record_say_so_and_the_cause_is_not_guessed():
     _delivery(outcome, timezone.now(), verdict=Verdict.EXECUTED, delivery_count=3)
     (finding,) = diagnose(outcome, outcome.delivery_log.all()).findings
     assert finding.cause is Cause.UNRECORDED
-    assert "delivery 1 is the broker's delivery 3 of its message: the earlier ones left no record" in (
-        finding.sentence
+    assert finding.sentence.startswith(
+        "delivery 1 is the broker's delivery 3 of its message; before it, broker delivery 1 left no record "
+        "in the database, and the broker's logs none of why; broker delivery 2 left no record"
     )
 
 
@@ -158,9 +187,8 @@ def test_a_delivery_given_back_while_the_database_was_down_is_read_from_the_brok
     (finding,) = findings(published.key)
     assert finding.cause is Cause.DEFERRED
     assert finding.sentence.startswith(
-        "delivery 1 is the broker's delivery 2 of its message: the earlier ones left no record in the "
-        "database (their workers did not reach it): broker delivery 1 was given back by its worker: "
-        "database unavailable — executed and committed"
+        "delivery 1 is the broker's delivery 2 of its message; before it, broker delivery 1 left no record "
+        "in the database and was given back by its worker: database unavailable — executed and committed"
     )
 
 
