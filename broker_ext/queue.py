@@ -427,6 +427,7 @@ class FencedQueue:
                     at_ms=int(entry.get("at_ms") or 0),
                     extended=bool(entry.get("extended")),
                     claim=str(entry.get("claim") or ""),
+                    first_deadline_ms=int(entry.get("first_deadline_ms") or 0),
                 )
             )
         return entries

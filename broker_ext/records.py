@@ -113,6 +113,13 @@ class ReclaimEntry:
     at_ms: int
     extended: bool = False  # whether its holder had extended the lease at all (else it stopped at once)
     claim: str = ""
+    first_deadline_ms: int = 0  # the deadline the claim set
+
+    @property
+    def claimed_ms(self) -> int:
+        """When the broker handed this delivery out (server time): its first deadline less one lease."""
+        lease = self.deadline_ms - self.last_extended_ms
+        return (self.first_deadline_ms or self.deadline_ms) - lease
 
 
 @dataclass(frozen=True)

@@ -103,18 +103,40 @@ def _lease_end(diagnosis: Diagnosis, d: TaskDelivery) -> tuple[datetime | None, 
     return None, ""
 
 
+def _bar_end(diagnosis: Diagnosis, d: TaskDelivery, now: datetime) -> tuple[datetime, str]:
+    """Where a delivery's bar ends, and its label (``{}``: the duration): its verdict; without one, the
+    moment the records say its worker stopped (lease expired, or a later delivery took the key), else now."""
+    took = "{}"
+    if d.finished_at is not None:
+        return d.finished_at, f"{d.get_verdict_display()} · {took}"
+    entry = diagnosis.reclaim_of(d)
+    if entry is not None:
+        return _ms(entry.deadline_ms), f"no verdict: its worker stopped, lease expired after {took}"
+    later = [o for o in diagnosis.deliveries if o.started_at > d.started_at and o.fence_token > d.fence_token]
+    if later and diagnosis.live_lease_of(d) is None:
+        return later[0].started_at, f"no verdict: a later delivery took the key after {took}"
+    return now, f"no verdict yet · {took} so far"
+
+
+def _lease_start(diagnosis: Diagnosis, d: TaskDelivery) -> datetime:
+    """When the broker handed the delivery out, if its reclaim log says (a late worker logs it later)."""
+    entry = diagnosis.reclaim_of(d)
+    return min(d.started_at, _ms(entry.claimed_ms)) if entry is not None else d.started_at
+
+
 def _marks(diagnosis: Diagnosis, now: datetime) -> list[datetime]:
     marks: list[datetime] = []
     for d in diagnosis.deliveries:
-        marks += [d.started_at, d.finished_at or now]
-        end, _broker = _lease_end(diagnosis, d)
+        marks += [d.started_at, _bar_end(diagnosis, d, now)[0], _lease_start(diagnosis, d)]
+        end, _kind = _lease_end(diagnosis, d)
         if end is not None:
             marks.append(end)
     return marks
 
 
-def _bar(n: int, d: TaskDelivery, y: int, scale: _Scale, now: datetime, label_x: float) -> list[str]:
-    end = d.finished_at or now
+def _bar(
+    n: int, d: TaskDelivery, y: int, scale: _Scale, end: datetime, label: str, label_x: float
+) -> list[str]:
     x0 = scale.x(d.started_at)
     x1 = max(scale.x(end), x0 + 3)
     colour = COLOURS.get(d.verdict, "#555")
@@ -126,8 +148,7 @@ def _bar(n: int, d: TaskDelivery, y: int, scale: _Scale, now: datetime, label_x:
         f"token {d.fence_token}, broker delivery {d.delivery_count or '?'}, worker {who}"
         + (f"; {d.detail}" if d.detail else "")
     )
-    took = duration((end - d.started_at).total_seconds())
-    label = f"{d.get_verdict_display()} · {took}" if d.finished_at else f"no verdict yet · {took} so far"
+    label = label.format(duration(max((end - d.started_at).total_seconds(), 0.0)))
     return [
         f'<text x="4" y="{y + 17}" fill="currentColor">delivery {n}{escape(retry)}</text>'
         f'<text x="4" y="{y + 29}" fill="#777" font-size="10">{escape(who[:30])}</text>',
@@ -143,8 +164,9 @@ def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -
     end, kind = _lease_end(diagnosis, d)
     if end is None:
         return [], 0.0
-    x0, ex = scale.x(d.started_at), scale.x(end)
-    held = (end - d.started_at).total_seconds()
+    start = _lease_start(diagnosis, d)
+    x0, ex = scale.x(start), scale.x(end)
+    held = (end - start).total_seconds()
     parts = [
         f'<line class="qa-held" x1="{x0:.1f}" x2="{ex:.1f}" y1="{y + 14}" y2="{y + 14}" stroke="#90a4ae" '
         f'stroke-width="2"><title>lease held {duration(held)}</title></line>'
@@ -196,8 +218,9 @@ def timeline_svg(diagnosis: Diagnosis, now: datetime | None = None) -> SafeStrin
     for n, d in enumerate(log, 1):
         y = TOP + ROW * (n - 1)
         marks, marks_end = _lease_marks(diagnosis, d, y, scale)
+        end, label = _bar_end(diagnosis, d, now)
         parts += marks
-        parts += _bar(n, d, y, scale, now, marks_end)
+        parts += _bar(n, d, y, scale, end, label, marks_end)
     parts += scale.axis(TOP + ROW * len(log) + 4)
     parts.append("</svg>")
     return mark_safe("".join(parts))  # Every interpolated text is escaped above.

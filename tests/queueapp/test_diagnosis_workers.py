@@ -11,6 +11,7 @@ import pytest
 
 from broker_ext.records import StoredState
 from lab.processes import wait_for
+from queueapp.admin.timeline import timeline_svg
 from queueapp.models import TaskOutcome
 from queueapp.ops.diagnosis import Cause, diagnose_outcome
 from settings.celery import app
@@ -49,6 +50,10 @@ def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extend
     assert "stopped extending at " in finding.sentence and "(killed or paused)" in finding.sentence
     assert finding.sentence.endswith("— executed and committed: the key's one success")
     assert len(effects()) == 1
+    # The killed delivery's bar ends where the broker says its worker stopped, not at "now".
+    svg = str(timeline_svg(diagnosis))
+    assert "no verdict: its worker stopped, lease expired after " in svg
+    assert 'class="qa-extend"' in svg and 'class="qa-expired"' in svg
 
 
 def test_celery_retries_by_a_worker_say_which_retry_of_how_many(effects, start_worker, queue):
