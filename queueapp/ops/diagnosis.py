@@ -135,16 +135,9 @@ class Diagnosis:
             return None
         return _ms(live.score_ms) if live.score_ms else None
 
-    def finding_of(self, delivery: TaskDelivery) -> Finding | None:
-        return next((f for f in self.findings if f.delivery_id == delivery.pk), None)
-
     @property
     def key(self) -> str:
         return self.outcome.idempotency_key
-
-    @property
-    def duplicated(self) -> bool:
-        return len(self.deliveries) > 1 or any(f.cause is Cause.DEDUPLICATED for f in self.findings)
 
     @property
     def summary(self) -> str:
