@@ -20,6 +20,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 
 from queueapp.admin.confirm import run_or_confirm
+from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
@@ -32,12 +33,12 @@ from queueapp.ops.reports import message_id_of, queue_of
 
 
 class TaskDeliveryInline(admin.TabularInline):
-    """The key's delivery log, newest first: who delivered it with which token, and the verdict."""
+    """The key's delivery log, oldest first (as the timeline numbers it): who, which token, the verdict."""
 
     model = TaskDelivery
     extra = 0
     can_delete = False
-    ordering = ("-started_at", "-id")
+    ordering = ("started_at", "id")
     fields = (
         "started_at",
         "verdict",
@@ -50,6 +51,7 @@ class TaskDeliveryInline(admin.TabularInline):
         "queue",
         "detail",
         "finished_at",
+        "lease_deadline",
     )
     readonly_fields = fields
 
@@ -60,7 +62,7 @@ class TaskDeliveryInline(admin.TabularInline):
         return False
 
 
-class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
+class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
     list_display = (
         "idempotency_key",
         "status_badge",
@@ -84,7 +86,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
         (None, {"fields": ("idempotency_key", "task_name", "status", "queue", "task_id", "message_id")}),
         (
             _("Arguments and result"),
-            {"fields": ("args_json", "kwargs_json", "result_json", "error", "traceback")},
+            {"fields": ("args_json", "kwargs_json", "result_json", "error_pre", "traceback_pre")},
         ),
         (
             _("Deliveries"),
@@ -202,6 +204,11 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
 
     # -- actions ------------------------------------------------------------------------------
 
+    @staticmethod
+    def operator(request) -> dict[str, str]:
+        """Who runs an action, as the actions record it (``actor``, ``via``)."""
+        return {"actor": request.user.get_username(), "via": "the admin"}
+
     def _run_action(self, request, queryset, name: str, title: str, button: str, service, **options):
         outcomes = list(queryset)
         return run_or_confirm(
@@ -217,12 +224,17 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
     @admin.action(description=_("Requeue selected task outcomes"), permissions=("requeue",))
     def requeue_selected(self, request, queryset):
         return self._run_action(
-            request, queryset, "requeue_selected", _("Requeue"), _("Yes, requeue"), actions.requeue
+            request,
+            queryset,
+            "requeue_selected",
+            _("Requeue"),
+            _("Yes, requeue"),
+            actions.requeue,
+            **self.operator(request),
         )
 
     @admin.action(description=_("Mark selected task outcomes dead"), permissions=("mark_dead",))
     def mark_dead(self, request, queryset):
-        actor = f"{request.user.get_username()} (admin)"
         return self._run_action(
             request,
             queryset,
@@ -230,7 +242,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
             _("Mark dead"),
             _("Yes, mark dead"),
             actions.mark_dead,
-            actor=actor,
+            **self.operator(request),
         )
 
     @admin.action(
@@ -244,4 +256,5 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
             _("Requeue dead-lettered"),
             _("Yes, requeue"),
             actions.requeue_outcomes_dead_letters,
+            **self.operator(request),
         )

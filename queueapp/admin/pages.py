@@ -20,7 +20,7 @@ from queueapp import cache
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.monitoring import MonitoringPagesMixin
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops import actions, queues, reports
+from queueapp.ops import actions, diagnosis, queues, reports
 
 DEAD_LETTER_FIELD = "message"
 
@@ -96,9 +96,19 @@ class OpsPagesMixin(MonitoringPagesMixin):
     def duplicates_view(self, request):
         if not self.has_view_permission(request):
             raise PermissionDenied
-        report = reports.duplicates_report(self.celery_app())
+        app = self.celery_app()
+        report = reports.duplicates_report(app)
+        found = diagnosis.diagnose_outcomes(
+            app, [g.outcome for g in report.groups if g.outcome is not None], broker=not report.broker_error
+        )
+        groups = [(g, found.get(g.outcome.pk) if g.outcome is not None else None) for g in report.groups]
         return self._page(
-            request, "duplicates.html", _("Duplicates"), report=report, broker_error=report.broker_error
+            request,
+            "duplicates.html",
+            _("Duplicates"),
+            report=report,
+            groups=groups,
+            broker_error=report.broker_error,
         )
 
     def queues_view(self, request):
@@ -129,7 +139,9 @@ class OpsPagesMixin(MonitoringPagesMixin):
         def run(dry_run: bool) -> list[actions.ActionResult]:
             results = []
             for queue, message_ids in chosen.items():
-                results += actions.requeue_dead_letters(app, queue, message_ids, dry_run=dry_run)
+                results += actions.requeue_dead_letters(
+                    app, queue, message_ids, dry_run=dry_run, **self.operator(request)
+                )
             return results
 
         response = run_or_confirm(

@@ -33,7 +33,7 @@ from broker_ext.errors import Reply
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
-from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 from queueapp.ops.connection import ops_channel
 from queueapp.ops.reports import (
     BrokerMessage,
@@ -104,6 +104,25 @@ def _result(outcome: TaskOutcome, app, step: Step, detail: str, **extra) -> Acti
         outcome_id=outcome.pk,
         **extra,
     )
+
+
+def record_actions(action: str, results: list[ActionResult], *, actor: str = "", via: str = "") -> None:
+    """Remember who changed which key (one :class:`OperatorAction` per change made), for the diagnosis."""
+    rows = [
+        OperatorAction(
+            outcome_id=result.outcome_id,
+            action=action,
+            actor=actor[:255],
+            via=via[:64],
+            queue=result.queue[:255],
+            message_id=result.message_id[:255],
+            detail=result.detail,
+        )
+        for result in results
+        if result.verdict == "done"
+    ]
+    if rows:
+        OperatorAction.objects.using(conf.get("DATABASE")).bulk_create(rows)
 
 
 def _tick(progress: Progress) -> None:
@@ -181,9 +200,18 @@ def plan_requeue(outcome: TaskOutcome, state: MessageState | None) -> tuple[Step
 
 
 def requeue(
-    app, outcomes: Iterable[TaskOutcome], *, dry_run: bool = False, progress: Progress = None
+    app,
+    outcomes: Iterable[TaskOutcome],
+    *,
+    dry_run: bool = False,
+    progress: Progress = None,
+    actor: str = "",
+    via: str = "",
 ) -> list[ActionResult]:
-    """Requeue each outcome's task under its own idempotency key (see the module docstring)."""
+    """Requeue each outcome's task under its own idempotency key (see the module docstring).
+
+    ``actor`` and ``via`` (who, and from where) are recorded with each change made.
+    """
     outcomes = list(outcomes)
     results = []
     with ops_channel(app) as channel:
@@ -196,6 +224,7 @@ def requeue(
             else:
                 results.append(_requeue_one(app, channel, outcome, state, step, detail))
             _tick(progress)
+    record_actions("requeue", results, actor=actor, via=via)
     return results
 
 
@@ -254,10 +283,12 @@ def mark_dead(
     outcomes: Iterable[TaskOutcome],
     *,
     actor: str = "an operator",
+    via: str = "",
     dry_run: bool = False,
     progress: Progress = None,
 ) -> list[ActionResult]:
     """Mark each outcome *dead* (its deliveries are then suppressed) and dead-letter a message still held."""
+    by = f"{actor} from {via}" if via else actor
     outcomes = list(outcomes)
     results = []
     db = conf.get("DATABASE")
@@ -283,7 +314,7 @@ def mark_dead(
             if state is not None and state.in_broker and state.place is not Place.DEAD:
                 queue = channel.fenced_queue(state.queue)
                 try:
-                    queue.force_dead_letter([state.message_id], f"marked dead by {actor}")
+                    queue.force_dead_letter([state.message_id], f"marked dead by {by}")
                 except Exception as exc:
                     error = f"marked dead, but the message could not be dead-lettered: {exc!r}"
                     results.append(_result(outcome, app, step, detail, error=error))
@@ -292,6 +323,7 @@ def mark_dead(
             else:
                 detail = "marked dead"
             results.append(_result(outcome, app, step, detail, done=True))
+    record_actions("mark dead", results, actor=actor, via=via)
     return results
 
 
@@ -325,6 +357,8 @@ def requeue_dead_letters(
     *,
     dry_run: bool = False,
     progress: Progress = None,
+    actor: str = "",
+    via: str = "",
 ) -> list[ActionResult]:
     """Revive dead-lettered messages of ``queue`` (``message_ids``, or all of its dead-letter set)."""
     results = []
@@ -339,6 +373,7 @@ def requeue_dead_letters(
                 results.append(_message_result(message, step, detail))
             else:
                 results.append(_revive_dead_letter(fenced, message, detail))
+    record_actions("requeue dead-lettered", results, actor=actor, via=via)
     return results
 
 
@@ -365,7 +400,13 @@ def _revive_dead_letter(fenced, message: BrokerMessage, detail: str) -> ActionRe
 
 
 def requeue_outcomes_dead_letters(
-    app, outcomes: Iterable[TaskOutcome], *, dry_run: bool = False, progress: Progress = None
+    app,
+    outcomes: Iterable[TaskOutcome],
+    *,
+    dry_run: bool = False,
+    progress: Progress = None,
+    actor: str = "",
+    via: str = "",
 ) -> list[ActionResult]:
     """The changelist's *requeue dead-lettered*: revive the selected keys' messages that are dead-lettered."""
     outcomes = list(outcomes)
@@ -382,5 +423,7 @@ def requeue_outcomes_dead_letters(
         else:
             by_queue.setdefault(state.queue, []).append(state.message_id)
     for queue, message_ids in by_queue.items():
-        results += requeue_dead_letters(app, queue, message_ids, dry_run=dry_run, progress=progress)
+        results += requeue_dead_letters(
+            app, queue, message_ids, dry_run=dry_run, progress=progress, actor=actor, via=via
+        )
     return results

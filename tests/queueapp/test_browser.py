@@ -54,10 +54,9 @@ def test_an_operator_requeues_a_dead_lettered_task_from_the_stuck_page_and_sees_
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_change', args=[stuck.outcome().pk])}")
     page.wait_for_selector("pre.qa-raw-message")
     assert "lease expired" in page.content()
-    screenshot("detail")
+    # The detail and Duplicates screenshots show a duplicated key: test_browser_diagnosis.py takes them.
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_duplicates')}")
     assert page.locator("#duplicate-keys").get_by_text(charge).count() == 1
-    screenshot("duplicates")
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_queues')}")
     assert page.locator("#queues").get_by_text("reports").count() == 1
     screenshot("queues")
