@@ -104,8 +104,19 @@ def _forget_failure(address: str) -> None:
         _outages.pop(address, None)
 
 
-def _timed_out(exc: BaseException) -> bool:
-    return isinstance(exc, redis.exceptions.TimeoutError | TimeoutError) or "timed out" in str(exc).lower()
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether Redis hung (accepted, then said nothing in time) rather than refused: Kombu wraps the cause."""
+    seen = 0
+    while exc is not None and seen < 5:
+        text = str(exc).lower()
+        if (
+            isinstance(exc, redis.exceptions.TimeoutError | TimeoutError)
+            or "timed out" in text
+            or "timeout" in text
+        ):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _describe(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from queueapp.errors import BrokerUnavailable
+from queueapp.management.names import broker_error, check_keys, check_queues, check_task
 from queueapp.ops import actions
 from queueapp.ops.connection import ops_channel
 from queueapp.ops.queues import known_queues
@@ -59,6 +60,9 @@ class Command(BaseCommand):
             raise CommandError(
                 "say what to requeue: --key, --task-id, --task, --status, --older-than, --queue"
             )
+        check_keys(options["key"])
+        check_task(app, options["task"])
+        check_queues(app, [options["queue"]] if options["queue"] else [])
         try:
             if options["dead_lettered"]:
                 results = self._dead_lettered(app, options["queue"], options["dry_run"])
@@ -76,7 +80,7 @@ class Command(BaseCommand):
                 with self._progress(len(outcomes), "requeueing") as tick:
                     results = actions.requeue(app, outcomes, dry_run=options["dry_run"], progress=tick)
         except BrokerUnavailable as exc:
-            raise CommandError(f"nothing requeued: {exc}") from exc
+            raise broker_error(exc, "nothing requeued: ") from exc
         self._report(results, dry_run=options["dry_run"], as_json=options["as_json"])
 
     def _dead_lettered(self, app, queue: str | None, dry_run: bool) -> list[actions.ActionResult]:
