@@ -34,7 +34,7 @@ from queueapp.ops.reports import broker_states, message_id_of, queue_of
 Status = TaskOutcome.Status
 
 #: Characters of a key and of an error the changelist shows (the full value is in the cell's title).
-KEY_CHARS = 28
+KEY_CHARS = 24
 ERROR_CHARS = 48
 
 
