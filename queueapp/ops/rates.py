@@ -8,7 +8,9 @@ configured or it is unreachable) for ``RATE_MEMORY`` seconds. The first view,
 or the first after that long, has no previous snapshot and shows no rate.
 A counter that went down (a queue deleted and created again) has no rate
 either. Snapshots shared from the page cache (``QUEUE_STATS_CACHE_TIMEOUT``)
-are the same snapshot: only a fresh read from Redis moves the window.
+are the same snapshot: only a fresh read from Redis moves the window, and a
+read less than ``MIN_WINDOW`` seconds after the base keeps that base (a quick
+reload shows the rate over a few seconds, not over a blink).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from queueapp import cache
 
 #: Seconds a snapshot stays the "previous" one for the next.
 RATE_MEMORY = 3600
+#: A snapshot read sooner than this after the previous one does not replace it as the base of the next rate.
+MIN_WINDOW = 5.0
 
 _memory: dict[str, dict] = {}
 _memory_lock = threading.Lock()
@@ -83,6 +87,9 @@ def observe(broker_url: str, stats: list[QueueStats], *, now: float | None = Non
     if previous is not None and now - float(previous.get("at", now)) > 0:
         window = now - float(previous["at"])
         value.update(window_s=window, rates=_rates(previous.get("counters", {}), counters, window))
+        if window < MIN_WINDOW:
+            # Reloaded at once: keep the older snapshot as the base, so the next window is not a blink.
+            value.update(at=previous["at"], counters=previous.get("counters", {}))
     _store(key, value)
     return stats
 

@@ -112,5 +112,9 @@ def test_a_rate_is_the_counter_difference_over_the_seconds_between_two_snapshots
     latest = rates.latest(url)
     assert latest.window_s == 10.0
     assert latest.of("celery", "published") == 3.0 and latest.of("celery", "acked") == 0.0
-    rates.observe(url, snapshot(5), now=1020.0)  # the queue was recreated: no negative rate
+    rates.observe(url, snapshot(50), now=1011.0)  # a reload a second later: still measured from 1010
+    assert rates.latest(url).window_s == 1.0 and rates.latest(url).of("celery", "published") == 10.0
+    rates.observe(url, snapshot(60), now=1020.0)
+    assert rates.latest(url).window_s == 10.0 and rates.latest(url).of("celery", "published") == 2.0
+    rates.observe(url, snapshot(5), now=1030.0)  # the queue was recreated: no negative rate
     assert rates.latest(url).of("celery", "published") is None
