@@ -49,6 +49,7 @@ class BrokerUnavailable(QueueappError):
     @property
     def terminal(self) -> str:
         """The line a management command ends with: "did not answer in N s" for a hung Redis."""
-        if self.timeout is not None and self.address:
-            return f"Redis at {self.address} did not answer in {self.timeout:g} s ({self})"
-        return str(self)
+        if self.timeout is None or not self.address:
+            return str(self)
+        since = f" (unreachable since {self.since:%Y-%m-%d %H:%M:%S} UTC)" if self.since else ""
+        return f"Redis at {self.address} did not answer in {self.timeout:g} s{since}"
