@@ -21,6 +21,7 @@ from tests.queueapp import scenarios
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
+    pytest.mark.postgres_too,
     pytest.mark.usefixtures("fast_password_hashing"),
     pytest.mark.timeout(120),
 ]
