@@ -20,7 +20,7 @@ from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
 from broker_ext.signals import message_dead_lettered
 from queueapp import conf, dead_letters, ledger
 from queueapp.decorators import ack_only_with_a_verdict, policy_of
-from queueapp.outbox import relay_outbox
+from queueapp.outbox import RECORDED_HEADER, relay_outbox
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     """
     if headers is None or not isinstance(body, (list, tuple)) or len(body) < 2:
         return
+    recorded = headers.pop(RECORDED_HEADER, False)  # by the outbox row's transaction
     task = current_app.tasks.get(sender) if sender else None
     policy = policy_of(task) if task is not None else None
     if policy is None:
@@ -45,7 +46,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     if policy.dedup_window:
         headers[DEDUP_KEY_HEADER] = f"exactly-once:{key}"
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
-    if conf.get("RECORD_QUEUED"):
+    if conf.get("RECORD_QUEUED") and not recorded:
         eta = headers.get("eta")
         try:
             ledger.ensure_queued(

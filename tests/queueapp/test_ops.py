@@ -271,9 +271,11 @@ def test_an_unreachable_broker_is_reported_not_hung_on(app, queue):
 
 def test_a_delayed_message_long_past_due_is_reported_stuck(app, queue, settings):
     settings.QUEUEAPP = {"STUCK_AFTER": 0}
-    late = scenarios.publish(demo_tasks.effect, "never promoted", countdown=0.05)
+    # Due in 1 s: long enough that it is still delayed when published on a loaded machine (a shorter
+    # countdown can be past due by the time the publish runs, which stores it ready at once).
+    late = scenarios.publish(demo_tasks.effect, "never promoted", countdown=1.0)
     assert queue.stats().delayed == 1
-    assert wait_for(lambda: reports.stuck_report(app).overdue_delayed, timeout=5)
+    assert wait_for(lambda: reports.stuck_report(app).overdue_delayed, timeout=15)
     (message,) = reports.stuck_report(app).overdue_delayed
     assert (message.key, message.info.task) == (late.key, demo_tasks.effect.name)
     assert "no consumer promoted it" in message.state.describe()
