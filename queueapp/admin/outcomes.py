@@ -19,6 +19,7 @@ from django.utils.html import format_html
 from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 
+from broker_ext.records import Place
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
@@ -29,7 +30,38 @@ from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskDelivery, TaskOutcome
 from queueapp.ops import actions
 from queueapp.ops.connection import ops_channel
-from queueapp.ops.reports import message_id_of, queue_of
+from queueapp.ops.reports import broker_states, message_id_of, queue_of
+
+Status = TaskOutcome.Status
+
+#: Characters of a key and of an error the changelist shows (the full value is in the cell's title).
+KEY_CHARS = 24
+ERROR_CHARS = 48
+
+
+def _shortened(text: str, length: int, *, title: str | None = None) -> str:
+    shown = text if len(text) <= length else text[: length - 1] + "\u2026"
+    return format_html('<span title="{}">{}</span>', title if title is not None else text, shown)
+
+
+def broker_truth(outcome: TaskOutcome, state) -> tuple[str, str, str] | None:
+    """``(css class, label, why)`` when the broker contradicts the row's open status, else ``None``.
+
+    A *queued* or *running* row whose message the broker dead-lettered is
+    *dead-lettered* (the reconciliation pass will say so in the row too); a
+    *running* row whose lease expired without being reclaimed says so.
+    """
+    if state is None or outcome.status not in (Status.QUEUED, Status.RUNNING):
+        return None
+    said = _("the database says %(status)s; the broker: %(where)s") % {
+        "status": outcome.status,
+        "where": state.describe(),
+    }
+    if state.place is Place.DEAD:
+        return "dead", _("dead-lettered"), said
+    if outcome.status == Status.RUNNING and state.place is Place.LEASED and not state.lease_alive:
+        return "failed", _("lease expired"), said
+    return None
 
 
 class TaskDeliveryInline(admin.TabularInline):
@@ -64,16 +96,18 @@ class TaskDeliveryInline(admin.TabularInline):
 
 class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
     list_display = (
-        "idempotency_key",
+        "key_short",
         "status_badge",
-        "task_name",
+        "task_short",
         "queue",
         "attempts",
         "deliveries",
         "age",
         "worker",
         "duplicates",
+        "error_short",
     )
+    list_display_links = ("key_short",)
     list_filter = ("status", TaskFilter, QueueFilter, StuckFilter, DuplicatesFilter)
     search_fields = ("idempotency_key", "task_id", "args", "kwargs")
     search_help_text = _("Search by idempotency key, task id, or a value in the arguments.")
@@ -134,13 +168,63 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
     def get_readonly_fields(self, request, obj=None):
         return [name for _title, options in self.fieldsets for name in options["fields"]]
 
+    # -- the changelist: the page's rows joined with the broker's states in one bounded read --
+
+    def changelist_view(self, request, extra_context=None):
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None) or {}
+        changelist = context.get("cl")
+        if changelist is not None:
+            rows = list(changelist.result_list)  # evaluated once: the template iterates these objects
+            app = self.celery_app()
+            try:
+                with ops_channel(app) as channel:
+                    states = broker_states(app, rows, channel)
+            except BrokerUnavailable as exc:
+                context["broker_outage"] = str(exc)
+                states = None
+            for row in rows:
+                row.broker_known = states is not None
+                row.broker_state = states.get(row.pk) if states is not None else None
+        return response
+
     # -- columns ----------------------------------------------------------------------------
+
+    @admin.display(description=_("idempotency key"), ordering="idempotency_key")
+    def key_short(self, outcome: TaskOutcome) -> str:
+        return _shortened(outcome.idempotency_key, KEY_CHARS)
 
     @admin.display(description=_("status"), ordering="status")
     def status_badge(self, outcome: TaskOutcome) -> str:
-        return format_html(
+        """The database's status, or the broker's truth where it differs (dead-lettered, lease expired)."""
+        truth = broker_truth(outcome, getattr(outcome, "broker_state", None))
+        if truth is not None:
+            css, label, why = truth
+            return format_html('<span class="qa-status qa-status-{}" title="{}">{}</span>', css, why, label)
+        badge = format_html(
             '<span class="qa-status qa-status-{}">{}</span>', outcome.status, outcome.get_status_display()
         )
+        if getattr(outcome, "broker_known", True) or not message_id_of(outcome):
+            return badge
+        return format_html(
+            '{} <span class="qa-unknown" title="{}">{}</span>',
+            badge,
+            _("Redis could not be read: where the broker holds the message is unknown"),
+            _("broker: unknown"),
+        )
+
+    @admin.display(description=_("task name"), ordering="task_name")
+    def task_short(self, outcome: TaskOutcome) -> str:
+        """The task's last two dotted parts (its module and name); the full name on hover."""
+        short = ".".join(outcome.task_name.split(".")[-2:])
+        return format_html('<span title="{}">{}</span>', outcome.task_name, short)
+
+    @admin.display(description=_("error"))
+    def error_short(self, outcome: TaskOutcome) -> str:
+        """The error's first line, shortened; the whole error on hover and on the detail page."""
+        if not outcome.error:
+            return "-"
+        return _shortened(outcome.error.strip().splitlines()[0], ERROR_CHARS, title=outcome.error)
 
     @admin.display(description=_("age"), ordering="queued_at")
     def age(self, outcome: TaskOutcome) -> str:
@@ -175,22 +259,46 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
     def result_json(self, outcome: TaskOutcome) -> str:
         return self._pretty(outcome.result)
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        response = super().change_view(request, object_id, form_url, extra_context)
+        context = getattr(response, "context_data", None)
+        original = context.get("original") if context else None
+        if original is not None:
+            self._read_broker(original)
+            context["broker_outage"] = original.broker_error
+        return response
+
+    def _read_broker(self, outcome: TaskOutcome) -> None:
+        """Where the broker holds the key's latest message, and its raw payload: one bounded read per page."""
+        if hasattr(outcome, "broker_error"):
+            return
+        outcome.broker_error, outcome.broker_state, outcome.broker_payload = "", None, None
+        message_id = message_id_of(outcome)
+        if not message_id:
+            return
+        app = self.celery_app()
+        try:
+            with ops_channel(app) as channel:
+                queue = channel.fenced_queue(queue_of(outcome, app))
+                outcome.broker_state = queue.locate([message_id])[message_id]
+                if outcome.broker_state.in_broker:
+                    outcome.broker_payload = queue.payload(message_id)
+        except BrokerUnavailable as exc:
+            outcome.broker_error = str(exc)
+
     @admin.display(description=_("message in the broker"))
     def broker_message(self, outcome: TaskOutcome) -> str:
         """Where the broker holds the key's latest message, and the raw message while it is there."""
         message_id = message_id_of(outcome)
         if not message_id:
             return _("no message recorded")
-        app = self.celery_app()
-        queue_name = queue_of(outcome, app)
-        try:
-            with ops_channel(app) as channel:
-                queue = channel.fenced_queue(queue_name)
-                state = queue.locate([message_id])[message_id]
-                payload = queue.payload(message_id) if state.in_broker else None
-        except BrokerUnavailable as exc:
-            return str(exc)
-        where = f"{message_id} in queue {queue_name!r}: {state.describe()}"
+        self._read_broker(outcome)
+        if outcome.broker_error:
+            return format_html(
+                '{} <span class="qa-unknown">{}</span>', message_id, _("unknown: Redis could not be read")
+            )
+        state, payload = outcome.broker_state, outcome.broker_payload
+        where = f"{message_id} in queue {state.queue!r}: {state.describe()}"
         info = describe_payload(payload)
         if not info.readable:
             if payload is None:

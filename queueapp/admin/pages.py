@@ -20,9 +20,11 @@ from queueapp import cache
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.monitoring import MonitoringPagesMixin
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops import actions, diagnosis, queues, reports
+from queueapp.ops import actions, diagnosis, queues, rates, reports
 
 DEAD_LETTER_FIELD = "message"
+#: The Queues page's counter columns, each with its rate (every counter is in ``queue_status --json``).
+COUNTERS = ("published", "claimed", "acked", "dead_lettered", "reclaimed", "revived")
 
 
 def dead_letter_value(queue: str, message_id: str) -> str:
@@ -114,13 +116,33 @@ class OpsPagesMixin(MonitoringPagesMixin):
     def queues_view(self, request):
         if not self.has_view_permission(request):
             raise PermissionDenied
-        stats, error = [], ""
+        app = self.celery_app()
+        url = str(app.conf.broker_url)
+        rows, error, window = [], "", None
         try:
-            app = self.celery_app()
-            stats = cache.queue_stats(str(app.conf.broker_url), lambda: queues.queue_stats(app))
+            stats = cache.queue_stats(url, lambda: rates.observe(url, queues.queue_stats(app)))
         except BrokerUnavailable as exc:
-            error = str(exc)
-        return self._page(request, "queues.html", _("Queues"), stats=stats, broker_error=error)
+            stats, error = [], str(exc)
+        if stats:
+            latest = rates.latest(url)
+            window = latest.window_s
+            rows = [
+                (
+                    entry,
+                    [(name, entry.counters.get(name, 0), latest.of(entry.queue, name)) for name in COUNTERS],
+                )
+                for entry in stats
+            ]
+        return self._page(
+            request,
+            "queues.html",
+            _("Queues"),
+            stats=stats,
+            rows=rows,
+            counters=[name.replace("_", " ") for name in COUNTERS],
+            rate_window_s=window,
+            broker_error=error,
+        )
 
     def requeue_dead_letters_view(self, request):
         """Requeue the dead letters ticked on the Stuck page (confirmation first)."""

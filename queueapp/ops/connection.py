@@ -53,12 +53,14 @@ class Outage:
     since: datetime
     reason: str
     last_attempt: float  # time.monotonic() of the latest failed attempt
+    timeout: float | None = None  # seconds Redis did not answer in, when it hung (not refused)
 
     def error(self) -> BrokerUnavailable:
         return BrokerUnavailable(
             f"Redis at {self.address} unreachable since {self.since:%Y-%m-%d %H:%M:%S} UTC ({self.reason})",
             address=self.address,
             since=self.since,
+            timeout=self.timeout,
         )
 
 
@@ -87,12 +89,13 @@ def current_outage(address: str) -> Outage | None:
 
 def _remember_failure(address: str, exc: BaseException) -> Outage:
     reason = _describe(exc)
+    timeout = broker_timeout() if _timed_out(exc) else None
     with _outages_lock:
         outage = _outages.get(address)
         if outage is None:
-            outage = _outages[address] = Outage(address, datetime.now(UTC), reason, time.monotonic())
+            outage = _outages[address] = Outage(address, datetime.now(UTC), reason, time.monotonic(), timeout)
         else:
-            outage.reason, outage.last_attempt = reason, time.monotonic()
+            outage.reason, outage.last_attempt, outage.timeout = reason, time.monotonic(), timeout
     return outage
 
 
@@ -101,8 +104,23 @@ def _forget_failure(address: str) -> None:
         _outages.pop(address, None)
 
 
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether Redis hung (accepted, then said nothing in time) rather than refused: Kombu wraps the cause."""
+    seen = 0
+    while exc is not None and seen < 5:
+        text = str(exc).lower()
+        if (
+            isinstance(exc, redis.exceptions.TimeoutError | TimeoutError)
+            or "timed out" in text
+            or "timeout" in text
+        ):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, redis.exceptions.TimeoutError | TimeoutError) or "timed out" in str(exc).lower():
+    if _timed_out(exc):
         return f"did not answer in {broker_timeout():g} s"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 

@@ -180,6 +180,29 @@ def hanging_database() -> Iterator[str]:
         conn.close()
 
 
+@pytest.fixture
+def outage_redis(settings, restartable_redis) -> Iterator:
+    """The broker and the cache on a Redis of this test alone, which the test may stop or pause.
+
+    Yields ``(server, queue)``: the server (``stop()``, ``pause()``) and its fenced queue ``celery``.
+    ``OPS_BROKER_TIMEOUT`` is 1 s, and the remembered outages are forgotten before and after.
+    """
+    from queueapp.ops import connection
+    from settings.celery import app
+
+    settings.QUEUEAPP = {**(getattr(settings, "QUEUEAPP", None) or {}), "OPS_BROKER_TIMEOUT": 1.0}
+    settings.CACHES = {
+        "default": {**settings.CACHES["default"], "LOCATION": f"redis://127.0.0.1:{restartable_redis.port}/0"}
+    }
+    reset_connections(app)
+    app.conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
+    connection._outages.clear()
+    yield restartable_redis, FencedQueue(restartable_redis.client(), "celery")
+    restartable_redis.resume()
+    connection._outages.clear()
+    reset_connections(app)
+
+
 # -- the admin in a real browser (tests/queueapp/test_browser*.py) ------------------------------------------
 # ``UPDATE_SCREENSHOTS=1`` writes a screenshot of each admin page to ``docs/admin-<page>.png``
 # (docs/operations.md shows them); otherwise they go to the test's temporary directory, so a normal

@@ -27,7 +27,7 @@ pytestmark = [
 
 
 def test_an_operator_requeues_a_dead_lettered_task_from_the_stuck_page_and_sees_it_run(
-    page, screenshot, live_server, admin_user, queue, effects, start_worker
+    page, screenshot, live_server, admin_user, queue, effects, start_worker, settings
 ):
     # A morning's worth of outcomes: done, duplicated, failed, stuck, dead-lettered, waiting elsewhere.
     for n in (1001, 1002):
@@ -57,8 +57,12 @@ def test_an_operator_requeues_a_dead_lettered_task_from_the_stuck_page_and_sees_
     # The detail and Duplicates screenshots show a duplicated key: test_browser_diagnosis.py takes them.
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_duplicates')}")
     assert page.locator("#duplicate-keys").get_by_text(charge).count() == 1
+    settings.QUEUEAPP = {"QUEUE_STATS_CACHE_TIMEOUT": 0}  # each load a fresh snapshot: rates from the second
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_queues')}")
+    demo_tasks.effect.apply_async(("export:pdf",), queue="reports")
+    page.reload()
     assert page.locator("#queues").get_by_text("reports").count() == 1
+    assert "per second over the last" in page.inner_text("#rate-window")
     screenshot("queues")
 
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_changelist')}")

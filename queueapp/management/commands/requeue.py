@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from queueapp.errors import BrokerUnavailable
 from queueapp.management.commands.diagnose import write_diagnosis
+from queueapp.management.names import broker_error, check_keys, check_queues, check_task
 from queueapp.ops import actions
 from queueapp.ops.connection import ops_channel
 from queueapp.ops.diagnosis import diagnose_outcomes
@@ -72,6 +73,9 @@ class Command(BaseCommand):
             raise CommandError(
                 "say what to requeue: --key, --task-id, --task, --status, --older-than, --queue"
             )
+        check_keys(options["key"])
+        check_task(app, options["task"])
+        check_queues(app, [options["queue"]] if options["queue"] else [])
         try:
             if options["dead_lettered"]:
                 results = self._dead_lettered(app, options["queue"], options["dry_run"])
@@ -96,7 +100,7 @@ class Command(BaseCommand):
                         via=VIA,
                     )
         except BrokerUnavailable as exc:
-            raise CommandError(f"nothing requeued: {exc}") from exc
+            raise broker_error(exc, "nothing requeued: ") from exc
         diagnoses = []
         if options["dry_run"] and options["key"]:
             # A dry run for given keys also says why each was delivered more than once (manage.py diagnose).
