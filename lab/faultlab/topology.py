@@ -30,6 +30,28 @@ from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
 
+def cut_off_replicas(master: RedisServer, timeout_ms: int = 5000) -> int:
+    """Let ``master``'s replicas catch up, then give them nothing more; returns how many had caught up.
+
+    ``WAIT`` first, so that what was written before the cut is on the replicas
+    (a token floor, the messages); then the master asks for a password the
+    replicas lack and drops them. Connections made before (the workers', the
+    lab's) stay authenticated, so the master goes on serving its clients
+    alone, as a master on the far side of a network split would: every claim
+    and ack from now on is on the master only, and a replica promoted after
+    the master dies has missed them all. Deterministic, where racing a kill
+    against asynchronous replication would be timing luck.
+    """
+    client = master.client(socket_timeout=10)
+    try:
+        synced = int(client.execute_command("WAIT", 1, timeout_ms))
+        client.config_set("requirepass", "faultlab-cut-off")
+        client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+    finally:
+        client.close()
+    return synced
+
+
 def alternates(scheme: str, addresses: list[tuple[str, int]]) -> str:
     """A broker URL naming every address as an alternate (Kombu's ``;``), so a dead one is skipped."""
     return ";".join(f"{scheme}://{host}:{port}/0" for host, port in addresses)
@@ -91,6 +113,18 @@ class Topology(ABC):
 
     def kill_master(self, generator: random.Random) -> str:
         raise FaultLabError(f"{self.name} has no master to kill")
+
+    def master_of(self, queue: str) -> RedisServer:
+        """The server that is master for ``queue``'s keys now."""
+        raise FaultLabError(f"{self.name} has no replicas")
+
+    def cut_off_replicas(self, queue: str) -> int:
+        """Cut the replicas of ``queue``'s master off (:func:`cut_off_replicas`); how many had caught up."""
+        return cut_off_replicas(self.master_of(queue))
+
+    def fail_over(self, queue: str) -> str:
+        """SIGKILL the master of ``queue`` and wait (bounded) until a replica took over; what happened."""
+        raise FaultLabError(f"{self.name} has no replicas")
 
 
 class SingleRedis(Topology):
@@ -197,21 +231,39 @@ class ClusterRedis(Topology):
         return picked
 
     def kill_master(self, generator: random.Random) -> str:
-        """SIGKILL one master and wait (bounded) until its replica has taken over."""
-        ports = sorted(self.masters())
-        port = generator.choice(ports)
+        """SIGKILL one master, wait (bounded) until its replica took over, start it again as a replica."""
+        return self._kill_and_rejoin(generator.choice(sorted(self.masters())))
+
+    def master_of(self, queue: str) -> RedisServer:
+        return self.cluster.master_for(QueueKeys(queue).ready)
+
+    def fail_over(self, queue: str) -> str:
+        return self._kill_and_rejoin(self.master_of(queue).port)
+
+    def _kill_and_rejoin(self, port: int, timeout: float = 30.0) -> str:
+        """Kill the master on ``port``; once its replica serves its slots, the old node rejoins as replica.
+
+        Started again with its ``nodes.conf`` (and no data), the old master
+        learns that its slots moved and follows the new owner, so the cluster
+        can take another master kill.
+        """
         node = next(node for node in self.cluster.nodes if node.port == port)
         node.kill()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if len(self.masters()) == len(ports) and port not in self.masters():
-                    self.cluster.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
-                    return f"master 127.0.0.1:{port} killed; its replica took over"
-            except redis.exceptions.RedisError:
-                pass
+        deadline = time.monotonic() + timeout
+        while not self._taken_over(port):
+            if time.monotonic() > deadline:
+                raise FaultLabError(f"no replica took over from master 127.0.0.1:{port} in {timeout:.0f}s")
             time.sleep(0.2)
-        raise FaultLabError(f"no replica took over from master 127.0.0.1:{port} in 30s")
+        node.start()
+        self.cluster.wait_ready(timeout=timeout)
+        return f"master 127.0.0.1:{port} killed; its replica took over; the old master rejoined as replica"
+
+    def _taken_over(self, port: int) -> bool:
+        try:
+            now = self.masters()
+        except redis.exceptions.RedisError:
+            return False
+        return len(now) == self.cluster.masters and port not in now
 
 
 class SentinelRedis(Topology):
@@ -255,6 +307,12 @@ class SentinelRedis(Topology):
 
     def queues(self, count: int) -> list[str]:
         return [f"faultlab.q{index}" for index in range(count)]
+
+    def master_of(self, queue: str) -> RedisServer:
+        return self.group.master()
+
+    def fail_over(self, queue: str) -> str:
+        return self.kill_master(random.Random())
 
     def kill_master(self, generator: random.Random) -> str:
         """SIGKILL the master, wait (bounded) for the promotion, start the old one as the new replica."""

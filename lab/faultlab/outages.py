@@ -1,0 +1,262 @@
+"""The injectors of the faults that open the guarantee holes of issue 9: outages that come together.
+
+* :func:`db_broker_cut`: one worker's database hangs while its Redis link is
+  cut, so a claim fails and the hand-back fails too (a delivery must then stay
+  in the broker, never acked without a verdict);
+* :func:`promotion_lost_claims`: a replica that missed the last claims is
+  promoted while the messages' tokens are ahead of the Redis clock, so the new
+  master hands out the very tokens the old deliveries hold (only the claim id
+  tells them apart);
+* :func:`kill_storm`: a worker SIGKILLed every lease while tasks run longer
+  than the lease (deliveries interrupted again and again; whatever the broker
+  dead-letters, the outcome row must say so).
+
+Like :mod:`~lab.faultlab.faults`, each takes the run's context and the
+scheduled fault, waits only with a bound, and says what it did in a sentence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broker_ext.messages import task_message_id
+from broker_ext.options import QueueOptions
+from broker_ext.queue import FencedQueue
+from broker_ext.records import Delivery, MessageState, Place
+from lab.errors import FaultLabError
+from lab.faultlab import database
+from lab.faultlab.recorder import stock_task_id
+from lab.proxy import FaultProxy
+
+if TYPE_CHECKING:
+    from lab.faultlab.faults import LabContext
+    from lab.faultlab.fleet import Slot
+    from lab.faultlab.schedule import ScheduledFault
+
+#: Seconds the worker's Redis link stays cut: longer than two hung database connects.
+CUT_SECONDS = 2 * database.HUNG_CONNECT_TIMEOUT + 4
+#: Seconds the worker stays on the hung database once its link is back.
+HUNG_AFTER = 2 * database.HUNG_CONNECT_TIMEOUT
+#: How far ahead of the Redis clock the promotion fault puts its messages' tokens (µs: ten minutes).
+TOKEN_LEAD_US = 600_000_000
+#: Milliseconds the floored messages wait before they are due: time to cut the replicas off first.
+DUE_MS = 2000
+#: Victims of the promotion fault, and tasks of the kill storm that run longer than the lease.
+PROMOTION_VICTIMS = 2
+STORM_TASKS = 6
+STORM_KILLS = 5
+#: Seconds a worker may take to start (a loaded machine starts Celery slowly).
+READY_TIMEOUT = 120.0
+
+
+def _message_id(task_id: str) -> str:
+    return task_message_id(task_id, 0)
+
+
+def _restart_ready(context: LabContext, slot: Slot, **env: str) -> str:
+    """Start the slot again with ``env`` and wait (bounded) until its worker is ready."""
+    name = context.fleet.restart(slot.index, **env)
+    slot.worker.wait_ready(READY_TIMEOUT)
+    return name
+
+
+def _shutdown(context: LabContext, slot: Slot) -> str:
+    name, _ = context.fleet.warm_shutdown(slot.index, timeout=max(30.0, 4 * context.lease))
+    return name
+
+
+# -- a hung database and a cut broker link, on one worker ------------------------------------
+
+
+def _taken(context: LabContext, client, queue: str, task_id: str) -> bool:
+    """Whether a worker has taken the task's message out of the ready set (leased, or popped by stock)."""
+    if context.broker == "fenced":
+        state = FencedQueue(client, queue).locate([_message_id(task_id)])[_message_id(task_id)]
+        return state.place is Place.LEASED
+    return task_id not in {stock_task_id(raw) for raw in client.lrange(queue, 0, -1)}
+
+
+def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
+    """A worker on a hung database takes a task; its Redis link is cut while its claim times out."""
+    slot = context.fleet.slots[fault.target]
+    scheme = context.broker_url.split("://", 1)[0]
+    client = context.topology.client()
+    with slot.lock, database.HungDatabase() as hung, FaultProxy(*context.topology.endpoint()) as link:
+        try:
+            name = _shutdown(context, slot)
+            broken = _restart_ready(
+                context,
+                slot,
+                DATABASE_URL=hung.url,
+                BROKER_URL=context.topology.broker_url(scheme, link.address),
+            )
+            task = context.publisher.publish(f"dbcut-{fault.index}", queue=slot.own_queue, kind="db-cut")
+            taken = context.wait(lambda: _taken(context, client, slot.own_queue, task.task_id), 30)
+            link.cut(CUT_SECONDS)
+            context.stop.wait(CUT_SECONDS)
+            link.heal()
+            context.stop.wait(HUNG_AFTER)  # The broker back, the database still hung: nothing may be acked.
+            handed_back = f"could not give {_message_id(task.task_id)}" in slot.worker.output()
+            _shutdown(context, slot)
+        finally:
+            client.close()
+            env = context.fleet.env
+            restored = context.fleet.restart(
+                slot.index, DATABASE_URL=env["DATABASE_URL"], BROKER_URL=env["BROKER_URL"]
+            )
+    moment = "after it took" if taken else "before it took"
+    failed = "; its hand-back failed" if handed_back else ""
+    return (
+        f"{name} restarted as {broken} on a database that hangs ({database.HUNG_CONNECT_TIMEOUT}s connects); "
+        f"its Redis link cut {CUT_SECONDS}s {moment} {task.task_id}{failed}; {HUNG_AFTER}s more on the hung "
+        f"database with the link back; {restored} started on the real database"
+    )
+
+
+# -- a promotion that lost the last claims, tokens ahead of the clock ----------------------------
+
+
+def _prefork_slot(context: LabContext, fault: ScheduledFault) -> Slot:
+    """A slot whose consumer claims while its pool is busy (prefork), so a second delivery comes in."""
+    slots = [slot for slot in context.fleet.slots if slot.pool == "prefork"] or context.fleet.slots
+    return slots[(fault.index - 1) % len(slots)]
+
+
+def _hold_victims(context: LabContext, queue: FencedQueue, ids: set[str]) -> list[Delivery]:
+    """Claim the victims as the lab (nobody else consumes this queue now); give anything else back."""
+    held: dict[str, Delivery] = {}
+
+    def claim_more() -> bool:
+        for claimed in queue.claim(10):
+            delivery = claimed.delivery
+            if delivery.message_id in ids:
+                held[delivery.message_id] = delivery
+            else:
+                queue.requeue([delivery], counted=False)
+        return set(held) == ids
+
+    if not context.wait(claim_more, timeout=20):
+        raise FaultLabError(f"the lab could not claim the victims {sorted(ids - set(held))}")
+    return list(held.values())
+
+
+def _leased_ahead(states: dict[str, MessageState], floor: int) -> bool:
+    return all(state.place is Place.LEASED and state.token > floor for state in states.values())
+
+
+def _claimed_on_the_master_alone(
+    context: LabContext, queue_name: str, held: list[Delivery], tasks: list
+) -> dict[str, MessageState]:
+    """Floor the victims' tokens ahead of the clock, cut the replicas off, wait until a worker claims them.
+
+    Fenced: the floor reaches the replicas (``WAIT``), the worker's claim of
+    the floored message does not. Stock has no tokens: once its worker has
+    popped the messages, the cut loses whatever every client does next.
+    """
+    master = context.topology.master_of(queue_name)
+    client = master.client(socket_timeout=10)
+    try:
+        if context.broker != "fenced":
+            context.wait(lambda: all(_taken(context, client, queue_name, t.task_id) for t in tasks), 20)
+            context.topology.cut_off_replicas(queue_name)
+            return {}
+        queue = FencedQueue(client, queue_name)
+        floor = queue.server_time_ms() * 1000 + TOKEN_LEAD_US
+        queue.requeue(held, counted=False, token_floor=floor, delay_ms=DUE_MS)
+        context.topology.cut_off_replicas(queue_name)
+        ids = [delivery.message_id for delivery in held]
+        context.wait(lambda: _leased_ahead(queue.locate(ids), floor), timeout=max(20.0, 3 * context.lease))
+        return queue.locate(ids)
+    finally:
+        client.close()
+
+
+def _handed_out_again(context: LabContext, queue_name: str, first: dict[str, MessageState]) -> int:
+    """How many victims the promoted replica delivered again with the token the old delivery holds."""
+    if not first:
+        return 0
+    client = context.topology.master_of(queue_name).client(socket_timeout=10)
+    try:
+        queue = FencedQueue(client, queue_name)
+
+        def again() -> dict[str, MessageState]:
+            states = queue.locate(list(first))
+            return {
+                mid: state
+                for mid, state in states.items()
+                if state.place is Place.LEASED and state.claim != first[mid].claim
+            }
+
+        context.wait(lambda: len(again()) == len(first), timeout=max(30.0, 4 * context.lease))
+        return sum(1 for mid, state in again().items() if state.token == first[mid].token)
+    finally:
+        client.close()
+
+
+def promotion_lost_claims(context: LabContext, fault: ScheduledFault) -> str:
+    """Tokens ahead of the clock, claims on the master alone, the master killed, its replica promoted."""
+    slot = _prefork_slot(context, fault)
+    hold = max(12.0, 3 * context.lease)
+    with context.redis_lock, slot.lock:
+        name = _shutdown(context, slot)
+        tasks = [
+            context.publisher.publish(
+                f"promo-{fault.index}-{n}", queue=slot.own_queue, kind="promo", hold=hold
+            )
+            for n in range(PROMOTION_VICTIMS)
+        ]
+        held = []
+        if context.broker == "fenced":
+            master = context.topology.master_of(slot.own_queue).client(socket_timeout=10)
+            try:
+                queue = FencedQueue(master, slot.own_queue, options=QueueOptions(lease_ms=600_000))
+                held = _hold_victims(context, queue, {_message_id(task.task_id) for task in tasks})
+            finally:
+                master.close()
+        replacement = _restart_ready(context, slot)
+        with context.publisher.paused():
+            try:
+                first = _claimed_on_the_master_alone(context, slot.own_queue, held, tasks)
+            finally:
+                failover = context.topology.fail_over(slot.own_queue)
+        same = _handed_out_again(context, slot.own_queue, first)
+    ahead = sum(1 for state in first.values() if state.token > state.server_now_ms * 1000)
+    tokens = (
+        f"; {ahead} of {len(first)} claimed with tokens ahead of the clock on the master alone, {same} "
+        "handed out again by the promoted replica with the same token and another claim id"
+        if context.broker == "fenced"
+        else ""
+    )
+    return (
+        f"{name} restarted as {replacement}; {len(tasks)} tasks holding {hold:.0f}s; replicas cut off; "
+        f"{failover}{tokens}"
+    )
+
+
+# -- SIGKILL every lease while long tasks run ------------------------------------------------------
+
+
+def kill_storm(context: LabContext, fault: ScheduledFault) -> str:
+    """Tasks that run 1.5 leases, and a worker SIGKILLed (and started again) every lease, slot by slot."""
+    hold = 1.5 * context.lease
+    for number in range(STORM_TASKS):
+        context.publisher.publish(
+            f"storm-{fault.index}-{number}", queue=context.shared_queue(), kind="storm", hold=hold
+        )
+    slots = context.fleet.slots
+    killed = []
+    for number in range(STORM_KILLS):
+        if context.stop.wait(context.lease):
+            break
+        slot = slots[(fault.target + number) % len(slots)]
+        if not slot.lock.acquire(timeout=context.lease):
+            continue  # Another fault is working on this slot.
+        try:
+            killed.append(context.fleet.kill(slot.index))
+            context.fleet.restart(slot.index)
+        finally:
+            slot.lock.release()
+    return (
+        f"{STORM_TASKS} tasks holding {hold:.0f}s (lease {context.lease:.0f}s); {len(killed)} workers "
+        f"SIGKILLed, one every {context.lease:.0f}s: {', '.join(killed) or 'none'}"
+    )
