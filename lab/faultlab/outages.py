@@ -41,6 +41,8 @@ HUNG_AFTER = 2 * database.HUNG_CONNECT_TIMEOUT
 TOKEN_LEAD_US = 600_000_000
 #: Milliseconds the floored messages wait before they are due: time to cut the replicas off first.
 DUE_MS = 2000
+#: Seconds the promotion fault waits for the worker's claim once the victims are due.
+CLAIM_WAIT = 4.0
 #: Victims of the promotion fault, and tasks of the kill storm that run longer than the lease.
 PROMOTION_VICTIMS = 2
 STORM_TASKS = 6
@@ -146,27 +148,28 @@ def _leased_ahead(states: dict[str, MessageState], floor: int) -> bool:
 
 def _claimed_on_the_master_alone(
     context: LabContext, queue_name: str, held: list[Delivery], tasks: list
-) -> dict[str, MessageState]:
+) -> tuple[dict[str, MessageState], list]:
     """Floor the victims' tokens ahead of the clock, cut the replicas off, wait until a worker claims them.
 
     Fenced: the floor reaches the replicas (``WAIT``), the worker's claim of
     the floored message does not. Stock has no tokens: once its worker has
     popped the messages, the cut loses whatever every client does next.
+    Returns the victims' states on the master and the replicas cut off. The
+    wait is short: a Sentinel does not promote a replica whose link has been
+    down for more than ten times ``down-after-milliseconds``.
     """
-    master = context.topology.master_of(queue_name)
-    client = master.client(socket_timeout=10)
+    client = context.topology.master_of(queue_name).client(socket_timeout=10)
     try:
         if context.broker != "fenced":
             context.wait(lambda: all(_taken(context, client, queue_name, t.task_id) for t in tasks), 20)
-            context.topology.cut_off_replicas(queue_name)
-            return {}
+            return {}, context.topology.cut_off_replicas(queue_name)
         queue = FencedQueue(client, queue_name)
         floor = queue.server_time_ms() * 1000 + TOKEN_LEAD_US
         queue.requeue(held, counted=False, token_floor=floor, delay_ms=DUE_MS)
-        context.topology.cut_off_replicas(queue_name)
+        replicas = context.topology.cut_off_replicas(queue_name)
         ids = [delivery.message_id for delivery in held]
-        context.wait(lambda: _leased_ahead(queue.locate(ids), floor), timeout=max(20.0, 3 * context.lease))
-        return queue.locate(ids)
+        context.wait(lambda: _leased_ahead(queue.locate(ids), floor), timeout=DUE_MS / 1000 + CLAIM_WAIT)
+        return queue.locate(ids), replicas
     finally:
         client.close()
 
@@ -188,15 +191,27 @@ def _handed_out_again(context: LabContext, queue_name: str, first: dict[str, Mes
             }
 
         context.wait(lambda: len(again()) == len(first), timeout=max(30.0, 4 * context.lease))
-        return sum(1 for mid, state in again().items() if state.token == first[mid].token)
+        same = sum(1 for mid, state in again().items() if state.token == first[mid].token)
+        # The fault ends when its victims are done (each delivery holds), so the run settles after it.
+        context.wait(lambda: _all_absent(queue, list(first)), timeout=4 * _promotion_hold(context))
+        return same
     finally:
         client.close()
+
+
+def _promotion_hold(context: LabContext) -> float:
+    """Seconds a victim holds its delivery: past the failover, so its ack comes after the second claim."""
+    return max(12.0, 3 * context.lease)
+
+
+def _all_absent(queue: FencedQueue, ids: list[str]) -> bool:
+    return all(state.place is Place.ABSENT for state in queue.locate(ids).values())
 
 
 def promotion_lost_claims(context: LabContext, fault: ScheduledFault) -> str:
     """Tokens ahead of the clock, claims on the master alone, the master killed, its replica promoted."""
     slot = _prefork_slot(context, fault)
-    hold = max(12.0, 3 * context.lease)
+    hold = _promotion_hold(context)
     with context.redis_lock, slot.lock:
         name = _shutdown(context, slot)
         tasks = [
@@ -215,10 +230,12 @@ def promotion_lost_claims(context: LabContext, fault: ScheduledFault) -> str:
                 master.close()
         replacement = _restart_ready(context, slot)
         with context.publisher.paused():
+            replicas = []
             try:
-                first = _claimed_on_the_master_alone(context, slot.own_queue, held, tasks)
+                first, replicas = _claimed_on_the_master_alone(context, slot.own_queue, held, tasks)
             finally:
                 failover = context.topology.fail_over(slot.own_queue)
+                context.topology.reconnect(replicas)
         same = _handed_out_again(context, slot.own_queue, first)
     ahead = sum(1 for state in first.values() if state.token > state.server_now_ms * 1000)
     tokens = (

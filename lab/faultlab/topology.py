@@ -13,9 +13,11 @@ clients ask the sentinels where the master is and connect to it directly.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 
 import redis
@@ -30,26 +32,55 @@ from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
 
-def cut_off_replicas(master: RedisServer, timeout_ms: int = 5000) -> int:
-    """Let ``master``'s replicas catch up, then give them nothing more; returns how many had caught up.
+def replicas_of(master: RedisServer, servers: Iterable[RedisServer]) -> list[RedisServer]:
+    """The live ``servers`` that replicate from ``master`` (as each says of itself)."""
+    found = []
+    for server in servers:
+        if server.process is None or server is master:
+            continue
+        try:
+            info = server.client(socket_timeout=2).info("replication")
+        except redis.exceptions.RedisError:
+            continue
+        if info.get("role") == "slave" and int(info.get("master_port", 0)) == master.port:
+            found.append(server)
+    return found
+
+
+def cut_off_replicas(master: RedisServer, replicas: list[RedisServer], timeout_ms: int = 5000) -> int:
+    """Let ``master``'s replicas catch up, then have them take nothing more; how many had caught up.
 
     ``WAIT`` first, so that what was written before the cut is on the replicas
-    (a token floor, the messages); then the master asks for a password the
-    replicas lack and drops them. Connections made before (the workers', the
-    lab's) stay authenticated, so the master goes on serving its clients
-    alone, as a master on the far side of a network split would: every claim
-    and ack from now on is on the master only, and a replica promoted after
-    the master dies has missed them all. Deterministic, where racing a kill
-    against asynchronous replication would be timing luck.
+    (a token floor, the messages); then each replica is given a password the
+    master does not ask for (``masterauth``), which fails its handshake, and
+    its link is dropped. The master goes on serving every client, new
+    connections too, as a master on the far side of a network split would:
+    every claim and ack from now on is on the master only, and a replica
+    promoted after the master dies has missed them all. Deterministic, where
+    racing a kill against asynchronous replication would be timing luck.
     """
     client = master.client(socket_timeout=10)
     try:
-        synced = int(client.execute_command("WAIT", 1, timeout_ms))
-        client.config_set("requirepass", "faultlab-cut-off")
-        client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        synced = int(client.execute_command("WAIT", len(replicas), timeout_ms))
     finally:
         client.close()
+    for replica in replicas:
+        replica_client = replica.client(socket_timeout=10)
+        try:
+            replica_client.config_set("masterauth", "faultlab-cut-off")
+            replica_client.execute_command("CLIENT", "KILL", "TYPE", "master")
+        finally:
+            replica_client.close()
     return synced
+
+
+def reconnect(servers: Iterable[RedisServer]) -> None:
+    """Undo :func:`cut_off_replicas` on the servers still running (a promoted one needs it when demoted)."""
+    for server in servers:
+        if server.process is None:
+            continue
+        with contextlib.suppress(redis.exceptions.RedisError):
+            server.client(socket_timeout=2).config_set("masterauth", "")
 
 
 def alternates(scheme: str, addresses: list[tuple[str, int]]) -> str:
@@ -118,9 +149,21 @@ class Topology(ABC):
         """The server that is master for ``queue``'s keys now."""
         raise FaultLabError(f"{self.name} has no replicas")
 
-    def cut_off_replicas(self, queue: str) -> int:
-        """Cut the replicas of ``queue``'s master off (:func:`cut_off_replicas`); how many had caught up."""
-        return cut_off_replicas(self.master_of(queue))
+    def servers(self) -> list[RedisServer]:
+        """Every Redis server of the topology (not the sentinels)."""
+        return []
+
+    def cut_off_replicas(self, queue: str) -> list[RedisServer]:
+        """Cut the replicas of ``queue``'s master off (:func:`cut_off_replicas`); returns them."""
+        master = self.master_of(queue)
+        replicas = replicas_of(master, self.servers())
+        if not replicas:
+            raise FaultLabError(f"master 127.0.0.1:{master.port} has no replica to cut off")
+        cut_off_replicas(master, replicas)
+        return replicas
+
+    def reconnect(self, replicas: list[RedisServer]) -> None:
+        reconnect(replicas)
 
     def fail_over(self, queue: str) -> str:
         """SIGKILL the master of ``queue`` and wait (bounded) until a replica took over; what happened."""
@@ -237,6 +280,9 @@ class ClusterRedis(Topology):
     def master_of(self, queue: str) -> RedisServer:
         return self.cluster.master_for(QueueKeys(queue).ready)
 
+    def servers(self) -> list[RedisServer]:
+        return list(self.cluster.nodes)
+
     def fail_over(self, queue: str) -> str:
         return self._kill_and_rejoin(self.master_of(queue).port)
 
@@ -310,6 +356,9 @@ class SentinelRedis(Topology):
 
     def master_of(self, queue: str) -> RedisServer:
         return self.group.master()
+
+    def servers(self) -> list[RedisServer]:
+        return list(self.group.servers)
 
     def fail_over(self, queue: str) -> str:
         return self.kill_master(random.Random())
