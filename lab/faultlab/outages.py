@@ -17,6 +17,7 @@ scheduled fault, waits only with a bound, and says what it did in a sentence.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from broker_ext.messages import task_message_id
@@ -253,6 +254,21 @@ def promotion_lost_claims(context: LabContext, fault: ScheduledFault) -> str:
 # -- SIGKILL every lease while long tasks run ------------------------------------------------------
 
 
+def _free_slot(context: LabContext, start: int) -> Slot | None:
+    """The first slot from ``start`` on that no other fault is working on, locked; waits up to a lease."""
+    slots = context.fleet.slots
+    deadline = time.monotonic() + context.lease
+    while not context.stop.is_set():
+        for offset in range(len(slots)):
+            slot = slots[(start + offset) % len(slots)]
+            if slot.lock.acquire(blocking=False):
+                return slot
+        if time.monotonic() > deadline:
+            return None
+        context.stop.wait(0.2)
+    return None
+
+
 def kill_storm(context: LabContext, fault: ScheduledFault) -> str:
     """Tasks that run 1.5 leases, and a worker SIGKILLed (and started again) every lease, slot by slot."""
     hold = 1.5 * context.lease
@@ -260,14 +276,13 @@ def kill_storm(context: LabContext, fault: ScheduledFault) -> str:
         context.publisher.publish(
             f"storm-{fault.index}-{number}", queue=context.shared_queue(), kind="storm", hold=hold
         )
-    slots = context.fleet.slots
     killed = []
     for number in range(STORM_KILLS):
         if context.stop.wait(context.lease):
             break
-        slot = slots[(fault.target + number) % len(slots)]
-        if not slot.lock.acquire(timeout=context.lease):
-            continue  # Another fault is working on this slot.
+        slot = _free_slot(context, fault.target + number)
+        if slot is None:
+            continue  # Other faults hold every slot for longer than a lease.
         try:
             killed.append(context.fleet.kill(slot.index))
             context.fleet.restart(slot.index)

@@ -189,7 +189,8 @@ FAULTS: tuple[Fault, ...] = (
         "kill-storm",
         "SIGKILL a worker every lease while tasks run longer than the lease (issue 9, point 4)",
         f"publishes {outages.STORM_TASKS} tasks that hold 1.5 leases, then SIGKILLs a worker (and starts "
-        f"it again) every lease, {outages.STORM_KILLS} times, slot after slot",
+        f"it again) every lease, {outages.STORM_KILLS} times, each on the next slot no other fault is "
+        "working on",
         EVERYWHERE,
         outages.kill_storm,
         aim="worker",
