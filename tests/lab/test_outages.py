@@ -133,3 +133,25 @@ def test_a_promotion_that_lost_the_claims_hands_out_the_same_tokens_and_fenced_l
     (entry,) = report["fault_log"]
     assert "2 of 2 claimed with tokens ahead of the clock on the master alone" in entry["detail"], entry
     assert "2 handed out again by the promoted replica with the same token" in entry["detail"], entry
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_cluster_master_fails_over_to_its_replica_and_rejoins_so_it_can_fail_over_again():
+    """What master-kill and promotion-lost-claims rely on: the killed node comes back as the replica."""
+    from lab.faultlab.topology import ClusterRedis
+
+    topology = ClusterRedis()
+    try:
+        topology.start()
+        (queue,) = topology.queues(1)
+        first = topology.master_of(queue)
+        topology.fail_over(queue)
+        second = topology.master_of(queue)
+        assert second is not first and first.process is not None
+        assert replicas_of(second, topology.servers()) == [first]
+        topology.fail_over(queue)  # The rejoined node takes over in turn.
+        assert topology.master_of(queue) is first
+        assert len(topology.masters()) == 3
+    finally:
+        topology.stop()
