@@ -100,7 +100,9 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
             link.heal()
             context.stop.wait(HUNG_AFTER)  # The broker back, the database still hung: nothing may be acked.
             handed_back = f"could not give {_message_id(task.task_id)}" in slot.worker.output()
-            _shutdown(context, slot)
+            context.fleet.kill(
+                slot.index
+            )  # Quicker than a warm shutdown whose every task waits on the database.
         finally:
             client.close()
             env = context.fleet.env
@@ -112,7 +114,7 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
     return (
         f"{name} restarted as {broken} on a database that hangs ({database.HUNG_CONNECT_TIMEOUT}s connects); "
         f"its Redis link cut {CUT_SECONDS}s {moment} {task.task_id}{failed}; {HUNG_AFTER}s more on the hung "
-        f"database with the link back; {restored} started on the real database"
+        f"database with the link back, then SIGKILLed; {restored} started on the real database"
     )
 
 

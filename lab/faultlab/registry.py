@@ -168,7 +168,7 @@ FAULTS: tuple[Fault, ...] = (
         f"a task, and cuts its Redis link for {outages.CUT_SECONDS}s once the task is taken: the claim "
         "fails, the hand-back fails; after the link is back the worker stays on the hung database for "
         f"{outages.HUNG_AFTER}s more (tasks it takes fail their claim with the broker up), then it is "
-        "started again on the real database",
+        "SIGKILLed and started again on the real database",
         frozenset({SINGLE}),
         outages.db_broker_cut,
         aim="worker",
