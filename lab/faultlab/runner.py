@@ -326,7 +326,10 @@ def _wait_for_faults(
         context.fleet.supervise()
         context.stop.wait(0.5)
     if not injector.done() and not context.stop.is_set():
-        raise FaultLabError(f"faults still running {deadline - context.started_at:.0f}s into the run")
+        running = ", ".join(injector.running()) or "the schedule"
+        raise FaultLabError(
+            f"faults still running {deadline - context.started_at:.0f}s into the run: {running}"
+        )
 
 
 def _in_flight(broker: str, client, queues: list[str]) -> tuple[int, int]:
