@@ -48,6 +48,8 @@ CLAIM_WAIT = 4.0
 PROMOTION_VICTIMS = 2
 STORM_TASKS = 6
 STORM_KILLS = 5
+#: Starts of a worker a fault tries before it gives up.
+STARTS = 3
 #: Seconds a worker may take to start (a loaded machine starts Celery slowly).
 READY_TIMEOUT = 120.0
 
@@ -56,11 +58,23 @@ def _message_id(task_id: str) -> str:
     return task_message_id(task_id, 0)
 
 
-def _restart_ready(context: LabContext, slot: Slot, **env: str) -> str:
-    """Start the slot again with ``env`` and wait (bounded) until its worker is ready."""
-    name = context.fleet.restart(slot.index, **env)
-    slot.worker.wait_ready(READY_TIMEOUT)
-    return name
+def _restart_ready(context: LabContext, slot: Slot, *, own_queue_only: bool = False, **env: str) -> str:
+    """Start the slot again with ``env`` and wait (bounded) until its worker is ready.
+
+    A worker that exits while it starts (stock Celery does when Redis is at
+    ``maxmemory``) is a crash, counted and started again, as the fleet's
+    supervisor would; after three such crashes the fault fails.
+    """
+    for attempt in range(STARTS):
+        name = context.fleet.restart(slot.index, own_queue_only=own_queue_only, **env)
+        try:
+            slot.worker.wait_ready(READY_TIMEOUT)
+            return name
+        except RuntimeError:
+            if slot.worker.alive() or attempt == STARTS - 1:
+                raise
+            context.fleet.crashes += 1
+    raise FaultLabError("unreachable")
 
 
 def _shutdown(context: LabContext, slot: Slot) -> str:
@@ -90,6 +104,7 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
             broken = _restart_ready(
                 context,
                 slot,
+                own_queue_only=True,
                 DATABASE_URL=hung.url,
                 BROKER_URL=context.topology.broker_url(scheme, link.address),
             )
@@ -98,7 +113,9 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
             link.cut(CUT_SECONDS)
             context.stop.wait(CUT_SECONDS)
             link.heal()
-            context.stop.wait(HUNG_AFTER)  # The broker back, the database still hung: nothing may be acked.
+            # The broker back, the database still hung: a second task meets only the database outage.
+            context.publisher.publish(f"dbcut-{fault.index}-after", queue=slot.own_queue, kind="db-cut")
+            context.stop.wait(HUNG_AFTER)
             handed_back = f"could not give {_message_id(task.task_id)}" in slot.worker.output()
             context.fleet.kill(
                 slot.index
@@ -113,8 +130,9 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
     failed = "; its hand-back failed" if handed_back else ""
     return (
         f"{name} restarted as {broken} on a database that hangs ({database.HUNG_CONNECT_TIMEOUT}s connects); "
-        f"its Redis link cut {CUT_SECONDS}s {moment} {task.task_id}{failed}; {HUNG_AFTER}s more on the hung "
-        f"database with the link back, then SIGKILLed; {restored} started on the real database"
+        f"its Redis link cut {CUT_SECONDS}s {moment} {task.task_id}{failed}; another task and {HUNG_AFTER}s "
+        f"more on the hung database with the link back, then SIGKILLed; {restored} started on the real "
+        "database"
     )
 
 

@@ -163,11 +163,11 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "db-broker-cut",
         "a worker's database hangs while its Redis link is cut (issue 9, point 1)",
-        "restarts a worker on a database that accepts connections and never answers "
+        "restarts a worker, on its own queue only, on a database that accepts connections and never answers "
         f"({outages.database.HUNG_CONNECT_TIMEOUT}s connect timeout) and behind a proxy of its own, sends it "
         f"a task, and cuts its Redis link for {outages.CUT_SECONDS}s once the task is taken: the claim "
-        "fails, the hand-back fails; after the link is back the worker stays on the hung database for "
-        f"{outages.HUNG_AFTER}s more (tasks it takes fail their claim with the broker up), then it is "
+        "fails, the hand-back fails; once the link is back it gets a second task and stays on the hung "
+        f"database {outages.HUNG_AFTER}s more (a claim that fails with the broker up), then it is "
         "SIGKILLed and started again on the real database",
         frozenset({SINGLE}),
         outages.db_broker_cut,
