@@ -114,7 +114,11 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
             context.stop.wait(CUT_SECONDS)
             link.heal()
             # The broker back, the database still hung: a second task meets only the database outage.
-            context.publisher.publish(f"dbcut-{fault.index}-after", queue=slot.own_queue, kind="db-cut")
+            after = context.publisher.publish(
+                f"dbcut-{fault.index}-after", queue=slot.own_queue, kind="db-cut"
+            )
+            # Once the worker is back on the broker and took it (bounded), its claim fails with the broker up.
+            context.wait(lambda: _taken(context, client, slot.own_queue, after.task_id), 30)
             context.stop.wait(HUNG_AFTER)
             handed_back = f"could not give {_message_id(task.task_id)}" in slot.worker.output()
             context.fleet.kill(

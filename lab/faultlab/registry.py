@@ -167,8 +167,8 @@ FAULTS: tuple[Fault, ...] = (
         f"({outages.database.HUNG_CONNECT_TIMEOUT}s connect timeout) and behind a proxy of its own, sends it "
         f"a task, and cuts its Redis link for {outages.CUT_SECONDS}s once the task is taken: the claim "
         "fails, the hand-back fails; once the link is back it gets a second task and stays on the hung "
-        f"database {outages.HUNG_AFTER}s more (a claim that fails with the broker up), then it is "
-        "SIGKILLed and started again on the real database",
+        f"database {outages.HUNG_AFTER}s more after taking it (a claim that fails with the broker up), "
+        "then it is SIGKILLed and started again on the real database",
         frozenset({SINGLE}),
         outages.db_broker_cut,
         aim="worker",
