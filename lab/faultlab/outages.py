@@ -65,16 +65,18 @@ def _restart_ready(context: LabContext, slot: Slot, *, own_queue_only: bool = Fa
     ``maxmemory``) is a crash, counted and started again, as the fleet's
     supervisor would; after three such crashes the fault fails.
     """
-    for attempt in range(STARTS):
+    for _ in range(STARTS - 1):
         name = context.fleet.restart(slot.index, own_queue_only=own_queue_only, **env)
         try:
             slot.worker.wait_ready(READY_TIMEOUT)
             return name
         except RuntimeError:
-            if slot.worker.alive() or attempt == STARTS - 1:
+            if slot.worker.alive():
                 raise
             context.fleet.crashes += 1
-    raise FaultLabError("unreachable")
+    name = context.fleet.restart(slot.index, own_queue_only=own_queue_only, **env)
+    slot.worker.wait_ready(READY_TIMEOUT)
+    return name
 
 
 def _shutdown(context: LabContext, slot: Slot) -> str:
@@ -121,9 +123,8 @@ def db_broker_cut(context: LabContext, fault: ScheduledFault) -> str:
             context.wait(lambda: _taken(context, client, slot.own_queue, after.task_id), 30)
             context.stop.wait(HUNG_AFTER)
             handed_back = f"could not give {_message_id(task.task_id)}" in slot.worker.output()
-            context.fleet.kill(
-                slot.index
-            )  # Quicker than a warm shutdown whose every task waits on the database.
+            # Quicker than a warm shutdown whose every task waits on the database.
+            context.fleet.kill(slot.index)
         finally:
             client.close()
             env = context.fleet.env
@@ -154,7 +155,7 @@ def _hold_victims(context: LabContext, queue: FencedQueue, ids: set[str]) -> lis
     held: dict[str, Delivery] = {}
 
     def claim_more() -> bool:
-        for claimed in queue.claim(10):
+        for claimed in queue.claim(100):
             delivery = claimed.delivery
             if delivery.message_id in ids:
                 held[delivery.message_id] = delivery
