@@ -8,6 +8,8 @@ socket, not mocks:
   both ways, as a reset NAT entry or a restarted load balancer would;
 * :meth:`FaultProxy.delay_replies` holds every reply back for a while, so slow
   replies and client timeouts happen (a timed-out call is resent by redis-py);
+* :meth:`FaultProxy.cut` closes every connection and refuses new ones for a
+  while, as a network partition between one client and Redis would;
 * :meth:`FaultProxy.lose_replies` lets the next matching commands reach Redis
   and run, then drops the connection instead of passing their reply on: the
   client cannot know the command ran, and a retrying client sends it again.
@@ -44,6 +46,7 @@ class ProxyStats:
 
     accepted: int = 0
     refused: int = 0
+    cut_off: int = 0
     dropped: int = 0
     replies_delayed: int = 0
     replies_lost: int = 0
@@ -78,6 +81,7 @@ class _Faults:
     delay_until: float = 0.0
     lose_left: int = 0
     lose_markers: tuple[bytes, ...] = ()
+    cut_until: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -148,6 +152,24 @@ class FaultProxy:
     def drop_connections(self) -> int:
         """Close every connection passing through right now; returns how many."""
         return self._call(self._drop_all())
+
+    def cut(self, duration: float) -> int:
+        """Close every connection and refuse new ones for ``duration`` seconds; returns how many were closed.
+
+        A refused connection is closed at once, so a client sees its connect
+        fail (or its call end) until the link is back.
+        """
+        if duration < 0:
+            raise ValueError("duration must not be negative")
+        now = self._call(self._now())
+        with self._faults.lock:
+            self._faults.cut_until = now + duration
+        return self.drop_connections()
+
+    def heal(self) -> None:
+        """End a :meth:`cut` early: new connections pass again."""
+        with self._faults.lock:
+            self._faults.cut_until = 0.0
 
     def delay_replies(self, delay: float, duration: float, jitter: float = 0.0) -> None:
         """For ``duration`` seconds, hold each reply back ``delay`` plus up to ``jitter`` seconds."""
@@ -237,6 +259,12 @@ class FaultProxy:
         return len(pairs)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self._faults.lock:
+            cut = asyncio.get_running_loop().time() < self._faults.cut_until
+        if cut:
+            self.stats.cut_off += 1
+            writer.transport.abort()
+            return
         if len(self._pairs) >= self.max_connections:
             self.stats.refused += 1
             writer.transport.abort()

@@ -8,6 +8,8 @@ the admin shows its result. Workers and the lab process open the same one.
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -20,6 +22,54 @@ from lab.models import Effect
 from queueapp.models import TaskDelivery, TaskOutcome
 
 CHUNK = 500
+#: Seconds a worker pointed at a :class:`HungDatabase` waits for each connect (libpq's floor is 2 s).
+HUNG_CONNECT_TIMEOUT = 3
+
+
+class HungDatabase:
+    """A database host that accepts TCP connections and never answers: a hung database server.
+
+    A worker given :attr:`url` as its ``DATABASE_URL`` waits
+    :data:`HUNG_CONNECT_TIMEOUT` seconds on every connect and then gets
+    ``OperationalError``, as behind a dropped route or a stalled server. The
+    listener and every connection it accepted are closed by :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self._held: list[socket.socket] = []
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="faultlab-hung-database", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        port = self._listener.getsockname()[1]
+        return f"postgres://postgres@127.0.0.1:{port}/hung?connect_timeout={HUNG_CONNECT_TIMEOUT}"
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(5)
+        self._listener.close()
+        for conn in self._held:
+            conn.close()
+
+    def __enter__(self) -> HungDatabase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def use_sqlite_file(path: Path) -> None:

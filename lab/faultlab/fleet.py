@@ -33,6 +33,7 @@ class Slot:
     env: dict[str, str] = field(default_factory=dict)
     starts: int = 0
     worker: CeleryWorker | None = None
+    own_queue_only: bool = False
     faulted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -87,15 +88,21 @@ class Fleet:
             pool=slot.pool,
             concurrency=slot.concurrency,
             prefetch=self.prefetch,
-            queues=[*self.queues, slot.own_queue],
+            queues=[slot.own_queue] if slot.own_queue_only else [*self.queues, slot.own_queue],
             extra_args=["--without-heartbeat"],
         )
         return slot.worker
 
-    def restart(self, index: int, **env: str) -> str:
-        """Start slot ``index`` again (not waiting for ready), with extra environment that stays with it."""
+    def restart(self, index: int, *, own_queue_only: bool = False, **env: str) -> str:
+        """Start slot ``index`` again (not waiting for ready), with extra environment that stays with it.
+
+        ``own_queue_only`` has this start of the slot consume its own queue and
+        nothing else (until the next start), so a fault reaches exactly the
+        task it sends there.
+        """
         slot = self.slots[index]
         slot.env.update(env)
+        slot.own_queue_only = own_queue_only
         if slot.worker is not None:
             self.retired.append(slot.worker)
         worker = self._launch(slot)

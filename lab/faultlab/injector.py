@@ -59,6 +59,10 @@ class FaultInjector:
     def done(self) -> bool:
         return not self._coordinator.is_alive() and not any(thread.is_alive() for thread in self._threads)
 
+    def running(self) -> list[str]:
+        """The faults still running (their thread names: ``faultlab-<kind>-<index>``)."""
+        return [thread.name for thread in self._threads if thread.is_alive()]
+
     def join(self, timeout: float) -> bool:
         """Wait (bounded) for the schedule and every fault thread; returns whether all ended."""
         deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lab.faultlab import faults
+from lab.faultlab import faults, outages
 
 #: The topologies a fault can run on (``faultlab``, ``--cluster``, ``--sentinel``).
 SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
@@ -154,11 +154,46 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "master-kill",
         "SIGKILL the Redis master; its replica takes over",
-        "SIGKILLs a Redis master; its replica takes over (on Sentinel, once the sentinels promote it; the "
-        "old master then rejoins as the new replica)",
+        "SIGKILLs a Redis master; its replica takes over (on Sentinel, once the sentinels promote it); the "
+        "old master then rejoins as the new replica",
         FAILOVER,
         faults.master_kill,
         aim="redis",
+    ),
+    Fault(
+        "db-broker-cut",
+        "a worker's database hangs while its Redis link is cut (issue 9, point 1)",
+        "restarts a worker, on its own queue only, on a database that accepts connections and never answers "
+        f"({outages.database.HUNG_CONNECT_TIMEOUT}s connect timeout) and behind a proxy of its own, sends it "
+        f"a task, and cuts its Redis link for {outages.CUT_SECONDS}s once the task is taken: the claim "
+        "fails, the hand-back fails; once the link is back it gets a second task and stays on the hung "
+        f"database {outages.HUNG_AFTER}s more after taking it (a claim that fails with the broker up), "
+        "then it is SIGKILLed and started again on the real database",
+        frozenset({SINGLE}),
+        outages.db_broker_cut,
+        aim="worker",
+    ),
+    Fault(
+        "promotion-lost-claims",
+        "a replica promoted after missing the last claims, tokens ahead of the clock (issue 9, point 2)",
+        "stops a prefork worker, publishes 2 tasks that hold 3 leases (at least 12 s) to its queue "
+        "and, on fenced://, claims them and requeues them with a token floor 10 minutes ahead of the "
+        "Redis clock; once the replicas have that (`WAIT`), cuts them off the master, lets the restarted "
+        "worker claim on the master alone, kills the master: the promoted replica hands out the same "
+        "tokens again, and only the claim id tells the late acks apart; publishing is held back meanwhile",
+        FAILOVER,
+        outages.promotion_lost_claims,
+        aim="redis",
+    ),
+    Fault(
+        "kill-storm",
+        "SIGKILL a worker every lease while tasks run longer than the lease (issue 9, point 4)",
+        f"publishes {outages.STORM_TASKS} tasks that hold 1.5 leases, then SIGKILLs a worker (and starts "
+        f"it again) every lease, {outages.STORM_KILLS} times, each on the next slot no other fault is "
+        "working on",
+        EVERYWHERE,
+        outages.kill_storm,
+        aim="worker",
     ),
 )
 

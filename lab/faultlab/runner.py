@@ -317,7 +317,8 @@ def _wait_for_faults(
     config: LabConfig, context: LabContext, injector: FaultInjector, progress: Progress, broker: str
 ) -> None:
     """Until the fault window is over and every fault has finished (bounded)."""
-    deadline = context.started_at + config.seconds + max(60.0, 10 * config.lease)
+    # Generous: faults that restart workers and wait for failovers take long on a loaded machine.
+    deadline = context.started_at + config.seconds + max(120.0, 20 * config.lease)
     while time.monotonic() < deadline and not context.stop.is_set():
         elapsed = time.monotonic() - context.started_at
         if elapsed >= config.seconds and injector.done():
@@ -326,7 +327,10 @@ def _wait_for_faults(
         context.fleet.supervise()
         context.stop.wait(0.5)
     if not injector.done() and not context.stop.is_set():
-        raise FaultLabError(f"faults still running {deadline - context.started_at:.0f}s into the run")
+        running = ", ".join(injector.running()) or "the schedule"
+        raise FaultLabError(
+            f"faults still running {deadline - context.started_at:.0f}s into the run: {running}"
+        )
 
 
 def _in_flight(broker: str, client, queues: list[str]) -> tuple[int, int, dict[str, int]]:

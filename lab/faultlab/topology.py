@@ -13,9 +13,11 @@ clients ask the sentinels where the master is and connect to it directly.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 
 import redis
@@ -28,6 +30,57 @@ from lab.errors import FaultLabError
 from lab.faultlab.registry import CLUSTER, SENTINEL, SINGLE, FaultKind, kinds_on
 from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
+
+
+def replicas_of(master: RedisServer, servers: Iterable[RedisServer]) -> list[RedisServer]:
+    """The live ``servers`` that replicate from ``master`` (as each says of itself)."""
+    found = []
+    for server in servers:
+        if server.process is None or server is master:
+            continue
+        try:
+            info = server.client(socket_timeout=2).info("replication")
+        except redis.exceptions.RedisError:
+            continue
+        if info.get("role") == "slave" and int(info.get("master_port", 0)) == master.port:
+            found.append(server)
+    return found
+
+
+def cut_off_replicas(master: RedisServer, replicas: list[RedisServer], timeout_ms: int = 5000) -> int:
+    """Let ``master``'s replicas catch up, then have them take nothing more; how many had caught up.
+
+    ``WAIT`` first, so that what was written before the cut is on the replicas
+    (a token floor, the messages); then each replica is given a password the
+    master does not ask for (``masterauth``), which fails its handshake, and
+    its link is dropped. The master goes on serving every client, new
+    connections too, as a master on the far side of a network split would:
+    every claim and ack from now on is on the master only, and a replica
+    promoted after the master dies has missed them all. Deterministic, where
+    racing a kill against asynchronous replication would be timing luck.
+    """
+    client = master.client(socket_timeout=10)
+    try:
+        synced = int(client.execute_command("WAIT", len(replicas), timeout_ms))
+    finally:
+        client.close()
+    for replica in replicas:
+        replica_client = replica.client(socket_timeout=10)
+        try:
+            replica_client.config_set("masterauth", "faultlab-cut-off")
+            replica_client.execute_command("CLIENT", "KILL", "TYPE", "master")
+        finally:
+            replica_client.close()
+    return synced
+
+
+def reconnect(servers: Iterable[RedisServer]) -> None:
+    """Undo :func:`cut_off_replicas` on the servers still running (a promoted one needs it when demoted)."""
+    for server in servers:
+        if server.process is None:
+            continue
+        with contextlib.suppress(redis.exceptions.RedisError):
+            server.client(socket_timeout=2).config_set("masterauth", "")
 
 
 def alternates(scheme: str, addresses: list[tuple[str, int]]) -> str:
@@ -91,6 +144,30 @@ class Topology(ABC):
 
     def kill_master(self, generator: random.Random) -> str:
         raise FaultLabError(f"{self.name} has no master to kill")
+
+    def master_of(self, queue: str) -> RedisServer:
+        """The server that is master for ``queue``'s keys now."""
+        raise FaultLabError(f"{self.name} has no replicas")
+
+    def servers(self) -> list[RedisServer]:
+        """Every Redis server of the topology (not the sentinels)."""
+        return []
+
+    def cut_off_replicas(self, queue: str) -> list[RedisServer]:
+        """Cut the replicas of ``queue``'s master off (:func:`cut_off_replicas`); returns them."""
+        master = self.master_of(queue)
+        replicas = replicas_of(master, self.servers())
+        if not replicas:
+            raise FaultLabError(f"master 127.0.0.1:{master.port} has no replica to cut off")
+        cut_off_replicas(master, replicas)
+        return replicas
+
+    def reconnect(self, replicas: list[RedisServer]) -> None:
+        reconnect(replicas)
+
+    def fail_over(self, queue: str) -> str:
+        """SIGKILL the master of ``queue`` and wait (bounded) until a replica took over; what happened."""
+        raise FaultLabError(f"{self.name} has no replicas")
 
 
 class SingleRedis(Topology):
@@ -197,21 +274,42 @@ class ClusterRedis(Topology):
         return picked
 
     def kill_master(self, generator: random.Random) -> str:
-        """SIGKILL one master and wait (bounded) until its replica has taken over."""
-        ports = sorted(self.masters())
-        port = generator.choice(ports)
+        """SIGKILL one master, wait (bounded) until its replica took over, start it again as a replica."""
+        return self._kill_and_rejoin(generator.choice(sorted(self.masters())))
+
+    def master_of(self, queue: str) -> RedisServer:
+        return self.cluster.master_for(QueueKeys(queue).ready)
+
+    def servers(self) -> list[RedisServer]:
+        return list(self.cluster.nodes)
+
+    def fail_over(self, queue: str) -> str:
+        return self._kill_and_rejoin(self.master_of(queue).port)
+
+    def _kill_and_rejoin(self, port: int, timeout: float = 30.0) -> str:
+        """Kill the master on ``port``; once its replica serves its slots, the old node rejoins as replica.
+
+        Started again with its ``nodes.conf`` (and no data), the old master
+        learns that its slots moved and follows the new owner, so the cluster
+        can take another master kill.
+        """
         node = next(node for node in self.cluster.nodes if node.port == port)
         node.kill()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if len(self.masters()) == len(ports) and port not in self.masters():
-                    self.cluster.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
-                    return f"master 127.0.0.1:{port} killed; its replica took over"
-            except redis.exceptions.RedisError:
-                pass
+        deadline = time.monotonic() + timeout
+        while not self._taken_over(port):
+            if time.monotonic() > deadline:
+                raise FaultLabError(f"no replica took over from master 127.0.0.1:{port} in {timeout:.0f}s")
             time.sleep(0.2)
-        raise FaultLabError(f"no replica took over from master 127.0.0.1:{port} in 30s")
+        node.start()
+        self.cluster.wait_ready(timeout=timeout)
+        return f"master 127.0.0.1:{port} killed; its replica took over; the old master rejoined as replica"
+
+    def _taken_over(self, port: int) -> bool:
+        try:
+            now = self.masters()
+        except redis.exceptions.RedisError:
+            return False
+        return len(now) == self.cluster.masters and port not in now
 
 
 class SentinelRedis(Topology):
@@ -255,6 +353,15 @@ class SentinelRedis(Topology):
 
     def queues(self, count: int) -> list[str]:
         return [f"faultlab.q{index}" for index in range(count)]
+
+    def master_of(self, queue: str) -> RedisServer:
+        return self.group.master()
+
+    def servers(self) -> list[RedisServer]:
+        return list(self.group.servers)
+
+    def fail_over(self, queue: str) -> str:
+        return self.kill_master(random.Random())
 
     def kill_master(self, generator: random.Random) -> str:
         """SIGKILL the master, wait (bounded) for the promotion, start the old one as the new replica."""

@@ -17,6 +17,8 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from django.db import connections
 from kombu import Connection
@@ -27,6 +29,8 @@ from lab.faultlab.history import PublishedTask
 
 TASK_NAMES = {"fenced": "lab.fenced_effect", "stock": "lab.stock_effect"}
 UNKNOWN_TASK = "lab.no_such_task"
+#: Seconds a publish waits while a fault holds publishing back, and a pause waits for publishes in flight.
+HOLD_LIMIT = 90.0
 
 
 def error_name(exc: BaseException) -> str:
@@ -52,7 +56,14 @@ def error_name(exc: BaseException) -> str:
 
 
 class Publisher:
-    """Publishes the run's tasks from any thread, each until confirmed or the run gives up."""
+    """Publishes the run's tasks from any thread, each until confirmed or the run gives up.
+
+    A fault may hold every publish back for a while (:meth:`paused`), as the
+    promotion fault does while a master's replicas are cut off: a publish the
+    old master acknowledged there would be lost with it, which is the
+    documented failover window of a direct publish (the outbox closes it),
+    not the hole that fault provokes.
+    """
 
     def __init__(self, app, *, broker: str, run: str, stop: threading.Event, give_up_after: float) -> None:
         self.app = app
@@ -64,6 +75,9 @@ class Publisher:
         self.errors: Counter[str] = Counter()
         self._published: list[PublishedTask] = []
         self._lock = threading.Lock()
+        self._gate = threading.Condition()
+        self._held = False
+        self._in_flight = 0
 
     def task_id(self, label: str) -> str:
         return f"{self.run}-{label}"
@@ -85,18 +99,8 @@ class Publisher:
         while not accepted:
             attempts += 1
             try:
-                self.app.send_task(
-                    self.task_name,
-                    args=[self.run, label],
-                    kwargs={"sleep": sleep, "hold": hold},
-                    task_id=task_id,
-                    queue=queue,
-                    countdown=countdown,
-                    connection=connection,
-                    # Through the app's own pool, Celery's publish retry is on, as users have it;
-                    # through a given connection (the pool burst) every error surfaces here.
-                    retry=connection is None,
-                )
+                with self._attempt():
+                    self._send(task_id, label, queue, sleep, hold, countdown, connection)
                 accepted = True
             except Exception as exc:
                 self.count_error(exc)
@@ -107,6 +111,55 @@ class Publisher:
         task = PublishedTask(label, task_id, queue, kind, accepted, attempts)
         self.record(task)
         return task
+
+    def _send(
+        self,
+        task_id: str,
+        label: str,
+        queue: str,
+        sleep: float,
+        hold: float,
+        countdown: float | None,
+        connection: Connection | None,
+    ) -> None:
+        self.app.send_task(
+            self.task_name,
+            args=[self.run, label],
+            kwargs={"sleep": sleep, "hold": hold},
+            task_id=task_id,
+            queue=queue,
+            countdown=countdown,
+            connection=connection,
+            # Through the app's own pool, Celery's publish retry is on, as users have it;
+            # through a given connection (the pool burst) every error surfaces here.
+            retry=connection is None,
+        )
+
+    @contextmanager
+    def _attempt(self) -> Iterator[None]:
+        """One publish attempt: waits (bounded) while publishing is held back, counted while in flight."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._held or self.stop.is_set(), timeout=HOLD_LIMIT)
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold every publish back (after those in flight ended, bounded) until the block ends."""
+        with self._gate:
+            self._held = True
+            self._gate.wait_for(lambda: not self._in_flight, timeout=HOLD_LIMIT)
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._held = False
+                self._gate.notify_all()
 
     def count_error(self, exc: BaseException) -> None:
         with self._lock:

@@ -165,3 +165,23 @@ def test_stop_closes_the_listener_the_connections_and_the_thread(redis_server, r
         client.ping()
     with pytest.raises(OSError), socket.create_connection(proxy.address, timeout=1):
         pass
+
+
+def test_a_cut_closes_every_connection_and_refuses_new_ones_until_it_ends(proxy, redis_db):
+    client = through(proxy, redis_db)
+    assert client.ping()
+    assert proxy.cut(30) == 1
+    with pytest.raises(redis.exceptions.ConnectionError):
+        client.ping()
+    assert proxy.stats.cut_off >= 1 and proxy.connections() == 0
+    proxy.heal()
+    assert client.ping()  # The link is back: the next call reconnects.
+    proxy.cut(0.3)
+    assert wait_for(lambda: _pings(client), timeout=5)  # A cut ends by itself.
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
