@@ -19,6 +19,25 @@ _databases = itertools.cycle(range(1, 64))
 
 
 @pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, tmp_path_factory) -> None:
+    """A test database other processes can open: a SQLite file, or a PostgreSQL database of this run.
+
+    Session-wide, here at the root: whichever test first needs the database
+    (tests/lab or tests/queueapp) creates it, and worker processes started by
+    any later test open the same one (pytest-django's default SQLite test
+    database is in memory, which no other process can open).
+    """
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    test = database.setdefault("TEST", {})
+    if database["ENGINE"].endswith("sqlite3"):
+        test["NAME"] = str(tmp_path_factory.mktemp("queueapp-db") / "test.sqlite3")
+    else:
+        test.setdefault("NAME", f"test_queueapp_{os.getpid()}")
+
+
+@pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One private redis-server for the whole run."""
     server = RedisServer().start()

@@ -1,9 +1,7 @@
-"""Fixtures for the exactly-once layer: a file-backed test database, the demo tasks, real workers.
+"""Fixtures for the exactly-once layer: the demo tasks, real workers, the admin in a browser.
 
-Worker processes need a database they can share with the test process, so
-the SQLite test database here is a file (pytest-django's default is in
-memory) and a PostgreSQL test database gets a name of this run's own. Every
-test's broker, cache and Celery app point at the session's private Redis
+Worker processes open the session's test database, a file (``tests/conftest.py``).
+Every test's broker, cache and Celery app point at the session's private Redis
 server, never at a shared one.
 """
 
@@ -21,19 +19,6 @@ from lab.processes import REPO, CeleryWorker, database_url_for_workers
 from tests.helpers import reset_connections
 
 DEMO_TASKS = "tests.queueapp.demo_tasks"
-
-
-@pytest.fixture(scope="session")
-def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, tmp_path_factory) -> None:
-    """A test database other processes can open: a SQLite file, or a PostgreSQL database of this run."""
-    from django.conf import settings
-
-    database = settings.DATABASES["default"]
-    test = database.setdefault("TEST", {})
-    if database["ENGINE"].endswith("sqlite3"):
-        test["NAME"] = str(tmp_path_factory.mktemp("queueapp-db") / "test.sqlite3")
-    else:
-        test.setdefault("NAME", f"test_queueapp_{os.getpid()}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
