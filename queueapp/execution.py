@@ -155,7 +155,7 @@ def _run_claimed(
     )
     reset = activate(context)
     try:
-        return ledger.commit(claim, body, cache_success=cache_success)
+        return ledger.commit(claim, body, cache_success=cache_success, just_claimed=True)
     except DeliveryRefused as refusal:
         logger.warning(
             "delivery of %s [%s] refused, nothing committed: %s", task.name, claim.key, refusal.detail

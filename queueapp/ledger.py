@@ -122,6 +122,11 @@ def ensure_queued(
 
     One ``INSERT ... ON CONFLICT DO NOTHING`` (SQLite: ``INSERT OR IGNORE``), not
     a read then a write in a transaction of its own: the publish pays one statement.
+    Outside a caller's transaction its commit does not wait for its own flush
+    (PostgreSQL: ``set_config('synchronous_commit', 'off', true)`` in the same
+    statement; SQLite: :func:`_without_own_sync`): the record is for ops to see
+    what is queued, the next synchronous commit makes it durable, and if a
+    database crash loses it before that, the worker's claim creates the row.
     """
     now = timezone.now()
     row = TaskOutcome(
@@ -135,7 +140,27 @@ def ensure_queued(
         queued_at=now,
         updated_at=now,
     )
-    TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
+    connection = connections[_db()]
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        _insert_without_own_flush(connection, row)
+        return
+    with _without_own_sync(_db()):
+        TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
+
+
+def _insert_without_own_flush(connection, row: TaskOutcome) -> None:
+    """``INSERT ... ON CONFLICT DO NOTHING`` of ``row``: one autocommit statement, an asynchronous commit."""
+    quote = connection.ops.quote_name
+    fields = [field for field in TaskOutcome._meta.concrete_fields if not field.primary_key]
+    values = [field.get_db_prep_save(getattr(row, field.attname), connection) for field in fields]
+    key = quote(TaskOutcome._meta.get_field("idempotency_key").column)
+    sql = (
+        "WITH flush AS (SELECT set_config('synchronous_commit', 'off', true)) "
+        f"INSERT INTO {quote(TaskOutcome._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+        f"SELECT {', '.join(['%s'] * len(fields))} FROM flush ON CONFLICT ({key}) DO NOTHING"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)
 
 
 def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:
@@ -445,7 +470,9 @@ def _refusal(claim: Claim, status: str, token: int) -> DeliveryRefused | None:
     return None
 
 
-def commit(claim: Claim, body: Callable[[], Any], *, cache_success: bool = True) -> Any:
+def commit(
+    claim: Claim, body: Callable[[], Any], *, cache_success: bool = True, just_claimed: bool = False
+) -> Any:
     """Step 2: run ``body`` and commit its writes together with the success, or not at all.
 
     The body runs first, then the success is marked by an update conditional on
@@ -453,15 +480,22 @@ def commit(claim: Claim, body: Callable[[], Any], *, cache_success: bool = True)
     for the row lock and checks the condition again on the row as committed;
     SQLite's ``IMMEDIATE`` transaction holds the write lock. ``cache_success``
     caches the result once committed.
+
+    A claim that may have aged (``just_claimed`` false) is looked at first: a
+    delivery that can no longer commit does not run the body. A claim made just
+    before by the same call (the worker's path, :mod:`queueapp.execution`)
+    skips that read: its own claim, committed an instant ago, is that check, and
+    a newer claim can come after the read as well as before it, which the
+    conditional update refuses either way.
     """
     db = _db()
     rows = TaskOutcome.objects.using(db).filter(pk=claim.outcome_id)
     with transaction.atomic(using=db):
-        # A cheap look first: a delivery that can no longer commit does not run the body.
-        status, token = rows.values_list("status", "fence_token").get()
-        refusal = _refusal(claim, status, token)
-        if refusal is not None:
-            raise refusal
+        if not just_claimed:
+            status, token = rows.values_list("status", "fence_token").get()
+            refusal = _refusal(claim, status, token)
+            if refusal is not None:
+                raise refusal
         result = body()
         stored = jsonable(result)
         if not _mark_succeeded(claim, stored, timezone.now()):
