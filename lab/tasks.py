@@ -90,7 +90,7 @@ def noop_idempotent(self, n: int = 0) -> int | None:
         cursor.execute(
             f"INSERT INTO {quote(ProcessedKey._meta.db_table)} ({quote('key')}, {quote('processed_at')}) "
             "VALUES (%s, %s) ON CONFLICT DO NOTHING",
-            [self.request.id, timezone.now()],
+            [self.request.id, connection.ops.adapt_datetimefield_value(timezone.now())],
         )
         if cursor.rowcount != 1:
             return None  # Already processed.

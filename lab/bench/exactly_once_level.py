@@ -36,7 +36,8 @@ TASK = "lab.noop_exactly_once"
 ANCHOR = "lab.noop_idempotent"
 PLAIN = "lab.noop"
 PREFORK_4 = WorkerSetup("prefork", 4)
-#: Turns of the anchor, exactly-once and plain drains on fenced:// per repeat (1 with --quick).
+#: Turns of the anchor, exactly-once (solo, and prefork 4 on PostgreSQL) and plain drains on
+#: fenced:// per repeat (1 with --quick).
 PAIRED_ROUNDS = 3
 #: Tasks of a drain whose queries the worker logs (after its first two).
 QUERY_LOG_TASKS = 20
@@ -128,15 +129,14 @@ def measure_database(run: BenchRun, engine: str, database_url: str) -> None:
                 FENCED,
                 lambda: drain(FENCED, PLAIN, "noop", enqueue_figure=figures["enqueue_plain"]),
             )
+            if "prefork" in figures:
+                run.attempt(
+                    figures["prefork"],
+                    FENCED,
+                    lambda: drain(FENCED, TASK, "prefork4", setup=PREFORK_4, succeeded=succeeded),
+                )
         run.progress(f"exactly-once on {engine}: {TASK} on stock, {step}")
         run.attempt(figures["drain"], STOCK, lambda: exactly_once_drain(STOCK, 0))
-        if "prefork" in figures:
-            run.progress(f"exactly-once on {engine}: {TASK}, {PREFORK_4.label}, {step}")
-            run.attempt(
-                figures["prefork"],
-                FENCED,
-                lambda: drain(FENCED, TASK, "prefork4", setup=PREFORK_4, succeeded=succeeded),
-            )
 
 
 def run_level(run: BenchRun) -> None:

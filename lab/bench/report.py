@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,8 +70,20 @@ def _across(numerator: tuple[str, str], denominator: tuple[str, str]) -> Callabl
 
 
 def _fenced(numerator: str, denominator: str) -> Callable[[dict[str, Measurement]], float | None]:
-    """One fenced figure over another (two tasks, or two worker setups, on the same transport)."""
-    return _across((numerator, FENCED), (denominator, FENCED))
+    """One fenced figure over another (two tasks, or two worker setups, on the same transport).
+
+    Figures measured in turns (the exactly-once level) give the median of the
+    ratios turn by turn: a load that came and went hit both sides of a turn
+    alike. Otherwise, the ratio of the medians.
+    """
+
+    def value(figures: dict[str, Measurement]) -> float | None:
+        top, bottom = figures[numerator].repeats[FENCED], figures[denominator].repeats[FENCED]
+        if len(top) == len(bottom) > 1:
+            return statistics.median(a / b for a, b in zip(top, bottom, strict=True))
+        return figures[numerator].values[FENCED] / figures[denominator].values[FENCED]
+
+    return value
 
 
 def _value(key: str) -> Callable[[dict[str, Measurement]], float | None]:
