@@ -51,9 +51,14 @@ PREFORK_2 = WorkerSetup("prefork", 2)
 
 
 def worker_env(run: BenchRun, system: str, db: int, database_url: str) -> dict[str, str]:
-    """The environment of the enqueuing process and the worker: broker, cache and database of this figure."""
+    """The environment of the enqueuing process and the worker: broker, cache and database of this figure.
+
+    ``DEBUG`` off, as in production: with it on, Django logs every query, and on
+    SQLite quotes each parameter with a query of its own to do so.
+    """
     return {
         "DJANGO_SETTINGS_MODULE": "settings.base",
+        "DJANGO_DEBUG": "0",
         "DATABASE_URL": database_url,
         "BROKER_URL": run.url(system, db),
         "REDIS_URL": run.url(STOCK, db),
