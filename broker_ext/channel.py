@@ -19,6 +19,8 @@ from functools import cached_property
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
@@ -59,6 +61,13 @@ class Channel(Consuming, kombu_redis.Channel):
     def settings(self) -> options.TransportSettings:
         """This channel's validated options, derived values included."""
         return options.resolve(lambda name: getattr(self, name))
+
+    def _connparams(self, asynchronous: bool = False) -> dict:
+        """Kombu's connection settings, with ``command_retries`` as redis-py's retry policy when set."""
+        params = super()._connparams(asynchronous=asynchronous)
+        if self.command_retries is not None:
+            params["retry"] = Retry(NoBackoff(), self.command_retries)
+        return params
 
     @cached_property
     def fenced_client(self) -> redis.Redis:

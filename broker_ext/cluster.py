@@ -41,7 +41,7 @@ from broker_ext.consume import Empty
 from broker_ext.errors import ConfigurationError
 
 #: Connection settings of Kombu's that are not passed on to the cluster client.
-NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class", "retry"}
+NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class"}
 
 
 class PrefixedRedisCluster(kombu_redis.GlobalKeyPrefixMixin, RedisCluster):

@@ -75,6 +75,7 @@ class Consuming:
             consumer_id=f"{process_name()}/{new_claim_id()}",
             prefix=self.global_keyprefix,
             forget_after_s=max(120.0, 10 * settings.extend_interval),
+            extend_interval_s=settings.extend_interval,
         )
         return LeaseKeeper(self.qos, self, intervals, registry)
 

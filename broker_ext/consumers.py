@@ -45,6 +45,7 @@ class ConsumerRegistry:
     consumer_id: str
     prefix: str = ""
     forget_after_s: float = 120.0
+    extend_interval_s: float = 0.0  # how often the keeper reports: readers judge silence by it
 
     def _call(self, report: str) -> ScriptCall:
         key = consumers_key(self.prefix)
@@ -61,6 +62,7 @@ class ConsumerRegistry:
             "held": len(held),
             "held_ids": [f"{d.queue}/{d.message_id}" for d in held[:LISTED_HELD]],
             "extended": extended,
+            "interval": self.extend_interval_s,
         }
         run_call(self.client, self._call(json.dumps(body)))
 
@@ -98,6 +100,7 @@ def read_consumers(client, *, prefix: str = "", silent_after_s: float = 120.0) -
                 held_ids=tuple(entry.get("held_ids") or ()),
                 seen_s_ago=(now_ms - seen_ms) / 1000,
                 extended_s_ago=(now_ms - int(extended)) / 1000 if extended else None,
+                report_interval_s=float(entry.get("interval") or 0),
             )
         )
     return sorted(records, key=lambda record: (record.name, record.consumer_id))

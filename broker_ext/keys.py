@@ -22,6 +22,7 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
+``fenced:{T}:requeues`` list   recent deliveries their consumer gave back, and why (capped, JSON)
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
 ``fenced:{T}:claim:R`` string  the ids claim R leased, for a resent claim (expires)
 ``fenced:consumers``   hash    consumer id -> what its lease keeper last reported (JSON)
@@ -123,6 +124,10 @@ class QueueKeys:
     def reclaims(self) -> str:
         return self._key("reclaims")
 
+    @cached_property
+    def requeues(self) -> str:
+        return self._key("requeues")
+
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")
 
@@ -146,6 +151,7 @@ class QueueKeys:
             self.stats,
             self.dedups,
             self.reclaims,
+            self.requeues,
         ]
 
 

@@ -115,6 +115,14 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         kind="non_negative",
     ),
     Option("ack_batch_size", 100, "", "buffered acks that are sent at once", kind="count"),
+    Option(
+        "command_retries",
+        None,
+        "",
+        "retries of a Redis command after a connection error or timeout (unset: redis-py's default); "
+        "operator tools use 0, so a hung Redis answers within one `socket_timeout`",
+        kind="non_negative_int",
+    ),
     Option("cluster", False, "", "connect to a Redis Cluster (the URL's hosts are startup nodes)", "flag"),
     Option(
         "master_name",

@@ -31,6 +31,7 @@ from broker_ext.records import (
     QueueStats,
     ReclaimEntry,
     ReclaimResult,
+    RequeueEntry,
     StoredState,
 )
 from broker_ext.scripts import SCRIPT_KEYS, ScriptCall, Scripts, register, run_call
@@ -423,6 +424,31 @@ class FencedQueue:
                     deliveries=int(entry.get("deliveries") or 0),
                     deadline_ms=int(entry.get("deadline_ms") or 0),
                     last_extended_ms=int(entry.get("last_extended_ms") or 0),
+                    at_ms=int(entry.get("at_ms") or 0),
+                    extended=bool(entry.get("extended")),
+                    claim=str(entry.get("claim") or ""),
+                    first_deadline_ms=int(entry.get("first_deadline_ms") or 0),
+                )
+            )
+        return entries
+
+    def requeue_log(self, limit: int) -> list[RequeueEntry]:
+        """Recent deliveries given back by their consumer (newest first), with the reason given."""
+        entries = []
+        for raw in self.client.lrange(self.keys.requeues, 0, limit - 1):
+            entry = _json_object(raw)
+            if not entry.get("id"):
+                continue
+            entries.append(
+                RequeueEntry(
+                    queue=self.name,
+                    message_id=str(entry["id"]),
+                    token=int(entry.get("token") or 0),
+                    deliveries=int(entry.get("deliveries") or 0),
+                    counted=bool(entry.get("counted")),
+                    delay_ms=int(entry.get("delay_ms") or 0),
+                    token_floor=int(entry.get("floor") or 0),
+                    reason=str(entry.get("reason") or ""),
                     at_ms=int(entry.get("at_ms") or 0),
                 )
             )

@@ -111,6 +111,38 @@ class ReclaimEntry:
     deadline_ms: int
     last_extended_ms: int
     at_ms: int
+    extended: bool = False  # whether its holder had extended the lease at all (else it stopped at once)
+    claim: str = ""
+    first_deadline_ms: int = 0  # the deadline the claim set
+
+    @property
+    def claimed_ms(self) -> int:
+        """When the broker handed this delivery out (server time): its first deadline less one lease."""
+        lease = self.deadline_ms - self.last_extended_ms
+        return (self.first_deadline_ms or self.deadline_ms) - lease
+
+
+@dataclass(frozen=True)
+class RequeueEntry:
+    """A delivery its consumer gave back (reject, shutdown, an exactly-once deferral), and why."""
+
+    queue: str
+    message_id: str
+    token: int
+    deliveries: int
+    counted: bool
+    delay_ms: int
+    token_floor: int
+    reason: str
+    at_ms: int
+
+    def describe(self) -> str:
+        """Why, as a sentence part: the reason given, else what a reason-less requeue means."""
+        if self.reason:
+            return self.reason
+        if self.counted:
+            return "rejected by its worker (requeue)"
+        return "given back unspent (its worker shut down or closed its channel)"
 
 
 @dataclass(frozen=True)
@@ -134,6 +166,7 @@ class ConsumerRecord:
     held_ids: tuple[str, ...]
     seen_s_ago: float
     extended_s_ago: float | None
+    report_interval_s: float = 0.0  # seconds between two reports of its keeper (0: not reported)
 
 
 class Place(enum.Enum):

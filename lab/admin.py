@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.db.models import Count
+from django.db.models import Count, Exists, OuterRef
 
 from lab.models import Effect
 from queueapp.admin.readonly import ReadOnlyAdmin
@@ -35,9 +35,14 @@ class DoubledFilter(admin.SimpleListFilter):
     def queryset(self, request, queryset):
         if self.value() != "yes":
             return queryset
-        per_task = Effect.objects.values("run", "label").annotate(count=Count("id"))
-        doubled = per_task.filter(count__gt=1).values("label")
-        return queryset.filter(label__in=doubled)
+        # A label is only a task's identity within its run: the fenced and the stock run of one demo
+        # share every label, so the filter is on the (run, label) pairs with more than one row.
+        doubled = (
+            Effect.objects.values("run", "label")
+            .annotate(count=Count("id"))
+            .filter(count__gt=1, run=OuterRef("run"), label=OuterRef("label"))
+        )
+        return queryset.filter(Exists(doubled))
 
 
 @admin.register(Effect)

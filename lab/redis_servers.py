@@ -88,6 +88,8 @@ class RedisServer:
             self.port = free_port(with_cluster_bus=self.cluster)
         if self.directory is None:
             self.directory = Path(tempfile.mkdtemp(prefix=f"redis-{self.port}-"))
+        # redis-server changes into --dir before it opens --logfile there: a relative path would fail.
+        self.directory = Path(self.directory).resolve()
         self._owns_directory = True
 
     @property

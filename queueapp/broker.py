@@ -1,4 +1,4 @@
-"""queueapp's door to the fenced broker: deferring a delivery, channels for the operator tools, payloads.
+"""queueapp's door to the fenced broker: deferring a delivery, the worker's channel, payloads.
 
 Everything reaches Redis through the Celery app's own connection pool
 (``app.pool.acquire()`` then ``connection.default_channel.fenced_queue(name)``),
@@ -59,7 +59,7 @@ def defer(
     if fenced is None:
         return Deferral.UNAVAILABLE
     try:
-        with fenced_channel(app, max_retries=None) as channel:
+        with fenced_channel(app) as channel:
             queue = channel.fenced_queue(delivery.queue)
             (reply,) = queue.requeue(
                 [fenced], counted=counted, delay_ms=int(delay * 1000), token_floor=token_floor, reason=reason
@@ -74,18 +74,19 @@ def defer(
     return Deferral.GONE
 
 
-#: Seconds an operator tool waits for the broker before it says the broker is unavailable.
+#: Seconds a worker's deferral keeps trying to reach the broker through the app's pool.
 CONNECT_TIMEOUT = 5.0
 
 
 @contextmanager
-def fenced_channel(app, timeout: float = CONNECT_TIMEOUT, *, max_retries: int | None = 0) -> Iterator:
-    """A channel of ``app``'s broker that has ``fenced_queue(name)``; raises :class:`BrokerUnavailable`.
+def fenced_channel(app, timeout: float = CONNECT_TIMEOUT) -> Iterator:
+    """A channel of the worker's broker pool with ``fenced_queue(name)``; raises :class:`BrokerUnavailable`.
 
-    ``max_retries=0`` (operator tools) says at once that the broker is down;
-    ``None`` keeps trying to connect for up to ``timeout`` seconds. Only errors
-    raised while connecting are translated: an error inside the ``with``
-    block is the caller's to handle.
+    It keeps trying to connect for up to ``timeout`` seconds, as a worker
+    should. Only errors raised while connecting are translated: an error
+    inside the ``with`` block is the caller's to handle. Operator tools use
+    :func:`queueapp.ops.connection.ops_channel`, which is bounded by
+    ``OPS_BROKER_TIMEOUT`` instead.
     """
     try:
         connection = app.pool.acquire(block=True, timeout=timeout)
@@ -93,7 +94,7 @@ def fenced_channel(app, timeout: float = CONNECT_TIMEOUT, *, max_retries: int | 
         raise BrokerUnavailable(f"broker unreachable: {exc!r}") from exc
     try:
         try:
-            connection.ensure_connection(max_retries=max_retries, timeout=timeout)
+            connection.ensure_connection(max_retries=None, timeout=timeout)
             channel = connection.default_channel
         except Exception as exc:
             raise BrokerUnavailable(f"broker unreachable: {exc!r}") from exc

@@ -81,6 +81,26 @@ def forget(idempotency_key: str) -> None:
         logger.warning("exactly-once cache unreachable, could not forget %r: %r", idempotency_key, exc)
 
 
+def get_value(key: str) -> Any:
+    """A value the admin keeps in the cache, or ``None`` (no cache, cold, or unreachable)."""
+    try:
+        cache = _cache()
+        return cache.get(key) if cache is not None else None
+    except Exception as exc:
+        logger.warning("cache unreachable, %s not read: %r", key, exc)
+        return None
+
+
+def set_value(key: str, value: Any, timeout: float) -> None:
+    """Keep a JSON value in the cache for ``timeout`` seconds; an unreachable cache only logs."""
+    try:
+        cache = _cache()
+        if cache is not None:
+            cache.set(key, value, timeout=timeout)
+    except Exception as exc:
+        logger.warning("cache unreachable, %s not kept: %r", key, exc)
+
+
 def queue_stats(broker_url: str, fetch: Callable[[], list[QueueStats]]) -> list[QueueStats]:
     """The admin's queue snapshots, shared between page loads for ``QUEUE_STATS_CACHE_TIMEOUT`` seconds.
 

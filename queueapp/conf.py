@@ -53,9 +53,33 @@ Every value is looked up when it is used, never at import time, so tests
     page loads (Django's cache); ``0`` reads Redis on every load.
 ``OPS_LIST_LIMIT`` (``200``)
     Most rows each section of the admin's stuck and duplicates pages shows.
+``OPS_BROKER_TIMEOUT`` (``1.5``)
+    Seconds the admin, ``/metrics`` and the management commands wait for Redis
+    (connect and each command, no retries) before they say it is unavailable;
+    after a failure they fail at once for twice as long, then try again.
 ``QUEUE_SCAN_LIMIT`` (``10000``)
     Most Redis keys the queue list examines (``SCAN``) to find fenced queues
     nobody configured (the scan is bounded so a big Redis stays cheap).
+``METRICS_TOKEN`` (``None``)
+    A secret that opens ``/queueapp/metrics`` to a scraper sending
+    ``Authorization: Bearer <token>``; ``None``: no token is accepted.
+``METRICS_ALLOW`` (``()``)
+    Addresses or networks (``"10.0.0.0/8"``, ``"127.0.0.1"``) whose requests
+    (``REMOTE_ADDR``) may read ``/queueapp/metrics`` without logging in. Staff
+    users who are logged in may always read it; anyone else gets 403.
+``SERIES_INTERVAL`` (``30.0``)
+    Seconds between two samples of the queues' time series (the admin's
+    Charts page), taken by a thread in each worker (one worker samples per
+    interval); ``0`` turns the workers' sampler off (``manage.py
+    sample_queues`` still takes one).
+``SERIES_RETENTION`` (``86400.0``)
+    Seconds of samples Redis keeps; older samples are trimmed at each sample,
+    and the count is capped at ``SERIES_RETENTION / SERIES_INTERVAL`` plus a
+    margin, so the series stays bounded whatever the clocks do.
+``WORKER_SILENT_AFTER`` (``None``)
+    Seconds without a lease keeper's report before the Workers page flags a
+    worker as silent; ``None``: three of its keeper's own report intervals
+    (its ``extend_interval``, a third of the lease: 30 s by default).
 """
 
 from __future__ import annotations
@@ -87,6 +111,12 @@ DEFAULTS: dict[str, Any] = {
     "OPS_LIST_LIMIT": 200,
     "QUEUE_STATS_CACHE_TIMEOUT": 2.0,
     "QUEUE_SCAN_LIMIT": 10000,
+    "OPS_BROKER_TIMEOUT": 1.5,
+    "METRICS_TOKEN": None,
+    "METRICS_ALLOW": (),
+    "SERIES_INTERVAL": 30.0,
+    "SERIES_RETENTION": 86400.0,
+    "WORKER_SILENT_AFTER": None,
 }
 
 

@@ -38,8 +38,8 @@ from broker_ext.messages import split_task_message_id, task_message_id
 from broker_ext.records import MessageState, Place
 from broker_ext.signals import DeadLetterNotice
 from queueapp import conf
-from queueapp.broker import fenced_channel
 from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.ops.connection import ops_channel
 from queueapp.ops.reports import queue_of
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def reconcile(app, *, limit: int = 1000) -> ReconcileReport:
     by_queue: dict[str, list[TaskOutcome]] = {}
     for outcome in rows:
         by_queue.setdefault(queue_of(outcome, app), []).append(outcome)
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         for name, group in by_queue.items():
             found = channel.fenced_queue(name).locate([mid for row in group for mid in candidates(row)])
             for outcome in group:

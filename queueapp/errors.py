@@ -33,4 +33,23 @@ class OutboxError(QueueappError):
 
 
 class BrokerUnavailable(QueueappError):
-    """Raised when an operator tool cannot reach the fenced broker (Redis down, or not ``fenced://``)."""
+    """Raised when an operator tool cannot reach the fenced broker (Redis down, or not ``fenced://``).
+
+    ``address`` is the broker's ``host:port`` when known; ``since`` (UTC) when
+    the operator tools first failed to reach it in the current outage;
+    ``timeout`` (seconds) when the failure was Redis not answering in time.
+    """
+
+    def __init__(self, message: str, *, address: str = "", since=None, timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.since = since
+        self.timeout = timeout
+
+    @property
+    def terminal(self) -> str:
+        """The line a management command ends with: "did not answer in N s" for a hung Redis."""
+        if self.timeout is None or not self.address:
+            return str(self)
+        since = f" (unreachable since {self.since:%Y-%m-%d %H:%M:%S} UTC)" if self.since else ""
+        return f"Redis at {self.address} did not answer in {self.timeout:g} s{since}"

@@ -251,7 +251,12 @@ def claim(
             outcome.args, outcome.kwargs = list(args), dict(kwargs)
         outcome.save()
         log = TaskDelivery.objects.using(db).create(
-            outcome=outcome, fence_token=token, token_source=source, started_at=now, **_log_fields(delivery)
+            outcome=outcome,
+            fence_token=token,
+            token_source=source,
+            started_at=now,
+            lease_deadline=outcome.lease_deadline,
+            **_log_fields(delivery),
         )
     return Claim(key, outcome.pk, token, source, log.pk, outcome.attempts)
 

@@ -211,6 +211,15 @@ class TaskDelivery(models.Model):
     detail = models.TextField(_("detail"), blank=True, help_text=_("Why, or the error of a failed run."))
     started_at = models.DateTimeField(_("started at"), default=timezone.now)
     finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    lease_deadline = models.DateTimeField(
+        _("lease deadline"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When this delivery's lease ended unless its worker extended it (set when it claimed the key; "
+            "the broker's reclaim log says when it was last extended)."
+        ),
+    )
 
     class Meta:
         verbose_name = _("task delivery")
@@ -225,6 +234,47 @@ class TaskDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id or self.outcome_id} token {self.fence_token}: {self.verdict}"
+
+
+class OperatorAction(models.Model):
+    """An operator's requeue or mark-dead that changed a key: who, from where, and when.
+
+    The diagnosis of a key reads it to say that a delivery came because
+    someone requeued the key ("requeued by alice from the admin").
+    """
+
+    outcome = models.ForeignKey(
+        TaskOutcome,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="operator_actions",
+        verbose_name=_("outcome"),
+    )
+    action = models.CharField(_("action"), max_length=64, help_text=_("requeue, mark dead, revive..."))
+    actor = models.CharField(_("actor"), max_length=255, blank=True, help_text=_("User name, if known."))
+    via = models.CharField(
+        _("via"), max_length=64, blank=True, help_text=_("the admin, manage.py requeue...")
+    )
+    queue = models.CharField(_("queue"), max_length=255, blank=True)
+    message_id = models.CharField(_("message id"), max_length=255, blank=True)
+    detail = models.TextField(_("detail"), blank=True)
+    at = models.DateTimeField(_("at"), default=timezone.now)
+
+    class Meta:
+        verbose_name = _("operator action")
+        verbose_name_plural = _("operator actions")
+        ordering = ("-at", "-id")
+        indexes = [models.Index(fields=["outcome", "-at"], name="queueapp_action_outcome_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.action} by {self.actor or 'an operator'} ({self.at:%Y-%m-%d %H:%M:%S})"
+
+    @property
+    def by(self) -> str:
+        """ "alice from the admin": who did it, and from where."""
+        who = self.actor or "an operator"
+        return f"{who} from {self.via}" if self.via else who
 
 
 class OutboxMessage(models.Model):

@@ -39,6 +39,10 @@ from queueapp.models import OutboxMessage
 
 logger = logging.getLogger(__name__)
 
+#: Header of a relayed publish whose key the caller's transaction already recorded as *queued*:
+#: the publish signal drops it and skips its own record (one statement per publish, not two).
+RECORDED_HEADER = "queueapp_recorded"
+
 #: apply_async options an outbox row keeps (all JSON).
 KEPT_OPTIONS = ("queue", "routing_key", "exchange", "priority", "eta", "expires", "headers", "shadow")
 
@@ -151,6 +155,8 @@ def _publish(app, connection, row: OutboxMessage) -> None:
     for name in ("eta", "expires"):
         if isinstance(options.get(name), str):
             options[name] = parse_datetime(options[name])
+    if row.idempotency_key:
+        options["headers"] = {**(options.get("headers") or {}), RECORDED_HEADER: True}
     app.send_task(
         row.task_name,
         args=row.args,

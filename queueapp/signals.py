@@ -1,5 +1,5 @@
 """Celery and transport signal handlers: publish-time bookkeeping, the worker's delivery rules,
-dead-lettered messages, and the worker-side outbox relay and reconciliation threads.
+dead-lettered messages, and the worker-side outbox relay, reconciliation and queue sampler threads.
 
 Connected once from :meth:`queueapp.apps.QueueappConfig.ready` (the models are loaded by then).
 """
@@ -27,7 +27,8 @@ from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
 from broker_ext.signals import message_dead_lettered
 from queueapp import conf, dead_letters, ledger
 from queueapp.decorators import ack_only_with_a_verdict, policy_of
-from queueapp.outbox import relay_outbox
+from queueapp.ops.series import sample_periodically
+from queueapp.outbox import RECORDED_HEADER, relay_outbox
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     """
     if headers is None or not isinstance(body, (list, tuple)) or len(body) < 2:
         return
+    recorded = headers.pop(RECORDED_HEADER, False)  # by the outbox row's transaction
     task = current_app.tasks.get(sender) if sender else None
     policy = policy_of(task) if task is not None else None
     if policy is None:
@@ -52,7 +54,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     if policy.dedup_window:
         headers[DEDUP_KEY_HEADER] = f"exactly-once:{key}"
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
-    if conf.get("RECORD_QUEUED"):
+    if conf.get("RECORD_QUEUED") and not recorded:
         eta = headers.get("eta")
         try:
             ledger.ensure_queued(
@@ -140,7 +142,7 @@ _threads: list[PeriodicThread] = []
 
 
 def on_worker_ready(sender=None, **_) -> None:
-    """Start the worker's outbox relay and dead-letter reconciliation threads (once per process)."""
+    """Start the worker's outbox relay, reconciliation and queue sampler threads (once per process)."""
     if _threads:
         return
     app = getattr(sender, "app", None) or current_app
@@ -154,6 +156,8 @@ def on_worker_ready(sender=None, **_) -> None:
         _threads.append(
             PeriodicThread(app, "reconcile", dead_letters.reconcile, conf.get("RECONCILE_INTERVAL"))
         )
+    if conf.get("SERIES_INTERVAL"):
+        _threads.append(PeriodicThread(app, "series", sample_periodically, conf.get("SERIES_INTERVAL")))
     for thread in _threads:
         thread.start()
 

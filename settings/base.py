@@ -79,6 +79,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+# Timestamps with seconds everywhere in the admin (settings/formats/en/formats.py).
+FORMAT_MODULE_PATH = ["settings.formats"]
 STATIC_URL = "static/"
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -19,6 +19,10 @@ A resent requeue (the first one moved the token, kept the claim, and nobody
 claimed the message since) is recognised and reported as the first was,
 without writing.
 
+Every delivery given back is logged to `requeues` (capped at 1,000, JSON:
+id, the token and claim it ended, its delivery count, counted, delay, floor,
+the reason, server time), so ops can say why a message came again.
+
 KEYS[1] leases   zset
 KEYS[2] state    hash
 KEYS[3] ready    zset
@@ -28,6 +32,7 @@ KEYS[6] signal   list
 KEYS[7] stats    hash
 KEYS[8] dead     zset
 KEYS[9] reasons  hash
+KEYS[10] requeues list
 
 ARGV[1] max deliveries   ARGV[2] count the delivery (0/1)   ARGV[3] delay ms
 ARGV[4] token floor (0: none)   ARGV[5] signal cap
@@ -50,10 +55,10 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "wake"
 --- @include "set_dead"
 --- @include "keep_expiry"
-local leases, state, ready, delayed, seq, signal, stats, dead, reasons =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-if #KEYS ~= 9 or #ARGV < 10 or (#ARGV - 7) % 3 ~= 0 then
-  error({err = 'FENCED BADARG requeue needs 9 keys, 5 numbers, a reason, a ttl and id/token/claim triples'})
+local leases, state, ready, delayed, seq, signal, stats, dead, reasons, requeues =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+if #KEYS ~= 10 or #ARGV < 10 or (#ARGV - 7) % 3 ~= 0 then
+  error({err = 'FENCED BADARG requeue needs 10 keys, 5 numbers, a reason, a ttl and id/token/claim triples'})
 end
 local max_deliveries = arg_int(ARGV[1], 'max deliveries', 1, 1e9)
 local counted = arg_int(ARGV[2], 'counted', 0, 1) == 1
@@ -63,7 +68,7 @@ local signal_cap = arg_int(ARGV[5], 'signal cap', 1, 1e6)
 local why = ARGV[6] ~= '' and ARGV[6] or 'rejected'
 local ttl = arg_int(ARGV[7], 'queue ttl', 0, 1e12)
 check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {seq, 'string'},
-             {signal, 'list'}, {stats, 'hash'}, {dead, 'zset'}, {reasons, 'hash'}})
+             {signal, 'list'}, {stats, 'hash'}, {dead, 'zset'}, {reasons, 'hash'}, {requeues, 'list'}})
 
 -- Read and check every message before the first write.
 local found = {}
@@ -90,6 +95,9 @@ for i = 8, #ARGV, 3 do
       replies[#replies + 1] = redis.call('ZSCORE', dead, id) and 5 or 1
     end
   else
+    redis.call('LPUSH', requeues, cjson.encode({id = id, token = string.format('%.0f', s.token), claim = s.claim,
+      deliveries = s.deliveries, counted = counted, delay_ms = delay, floor = string.format('%.0f', floor),
+      reason = ARGV[6], at_ms = now_ms}))
     s.token = math.max(s.token + 1, floor)
     if counted then s.charged = s.charged + 1 end
     redis.call('ZREM', leases, id)
@@ -116,6 +124,7 @@ end
 if requeued > 0 then redis.call('HINCRBY', stats, 'requeued', requeued) end
 if moved > 0 then redis.call('HINCRBY', stats, 'dead_lettered', moved) end
 if requeued + moved > 0 then
-  keep_expiry(ttl, {state, ready, delayed, seq, signal, stats, dead, reasons})
+  redis.call('LTRIM', requeues, 0, 999)
+  keep_expiry(ttl, {state, ready, delayed, seq, signal, stats, dead, reasons, requeues})
 end
 return replies

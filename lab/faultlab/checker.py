@@ -41,6 +41,8 @@ class Verdict:
     broker: str
     run: str
     tasks: int = 0
+    tasks_by_kind: dict[str, int] = field(default_factory=dict)
+    publish_attempts: int = 0
     effects: int = 0
     lost: int = 0
     double_effects: int = 0
@@ -62,6 +64,8 @@ class Verdict:
     broker_counters: dict[str, int] = field(default_factory=dict)
     worker_crashes: int = 0
     settlement: str = "settled"
+    unsettled: dict[str, int] = field(default_factory=dict)
+    stalled_for: float = 0.0
     seconds: float = 0.0
     examples: dict[str, list[str]] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
@@ -82,6 +86,8 @@ class Verdict:
             "run": self.run,
             "ok": self.ok,
             "tasks": self.tasks,
+            "tasks_by_kind": dict(self.tasks_by_kind),
+            "publish_attempts": self.publish_attempts,
             "effects": self.effects,
             "lost": self.lost,
             "double_effects": self.double_effects,
@@ -103,6 +109,7 @@ class Verdict:
             "broker_counters": dict(self.broker_counters),
             "worker_crashes": self.worker_crashes,
             "settlement": self.settlement,
+            "unsettled": dict(self.unsettled),
             "seconds": round(self.seconds, 1),
             "examples": {name: list(ids) for name, ids in self.examples.items()},
             "violations": list(self.violations),
@@ -126,6 +133,8 @@ def check(history: History) -> Verdict:
         broker_counters=dict(history.redis.counters),
         worker_crashes=history.worker_crashes,
         settlement=history.settlement,
+        unsettled=dict(history.unsettled),
+        stalled_for=history.stalled_for,
         seconds=history.seconds,
     )
     reasons: Counter[str] = Counter()
@@ -150,6 +159,8 @@ def _judge_task(verdict: Verdict, task: PublishedTask, history: History, reasons
     effects = history.effects.get(task.label, 0)
     reason = redis.dead.get(task.task_id)
     verdict.tasks += 1
+    verdict.tasks_by_kind[task.kind] = verdict.tasks_by_kind.get(task.kind, 0) + 1
+    verdict.publish_attempts += task.attempts
     for place in ("ready", "leased", "delayed"):
         if task.task_id in getattr(redis, place):
             verdict.still_queued[place] += 1

@@ -47,6 +47,23 @@ def migrate() -> None:
     call_command("migrate", interactive=False, verbosity=0, skip_checks=True)
 
 
+def forget_earlier_runs() -> dict[str, int]:
+    """Delete the rows of earlier lab runs from a SQLite database (the demo's: its admin shows one run).
+
+    Lab rows are told apart by their run ids (``fl-...``): the effect rows of
+    those runs and the outcome rows of their task ids (their delivery logs go
+    with them). Nothing else is touched (logins stay), and a shared database
+    (``DATABASE_URL``) is left as it is: other runs may be reading it.
+    Returns what was deleted, by model.
+    """
+    if connection.vendor != "sqlite":
+        return {}
+    outcomes = TaskOutcome.objects.filter(task_id__startswith="fl-", task_name__startswith="lab.")
+    _, outcome_counts = outcomes.delete()
+    _, effect_counts = Effect.objects.filter(run__startswith="fl-").delete()
+    return {**outcome_counts, **effect_counts}
+
+
 def describe() -> str:
     """The database in one line, for the report."""
     if connection.vendor == "sqlite":

@@ -81,5 +81,9 @@ class History:
     publish_errors: Mapping[str, int] = field(default_factory=dict)
     worker_crashes: int = 0
     settlement: str = "settled"
+    #: What was in flight in Redis (non-zero counts by key) when the settle phase stopped waiting unsettled.
+    unsettled: Mapping[str, int] = field(default_factory=dict)
+    #: How long nothing changed before a settle phase is called stalled (seconds).
+    stalled_for: float = 0.0
     seconds: float = 0.0
     timings: Mapping[str, float] = field(default_factory=dict)

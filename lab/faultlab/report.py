@@ -10,6 +10,7 @@ be made again.
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -65,11 +66,26 @@ def _ledger(verdict: Verdict) -> Text | str:
     return _count(verdict.ledger_mismatches, bad=True) + Text(kinds)
 
 
+def _published(verdict: Verdict) -> str:
+    """``334: 300 plain + 34 the faults sent (burst 24, ...)``: every task counted once, by who sent it."""
+    plain = verdict.tasks_by_kind.get("plain", 0)
+    others = {kind: count for kind, count in verdict.tasks_by_kind.items() if kind != "plain"}
+    if not others:
+        return f"{verdict.tasks}: {plain} plain"
+    return f"{verdict.tasks}: {plain} plain + {sum(others.values())} the faults sent ({_mapping(others)})"
+
+
+def _attempts(verdict: Verdict) -> str:
+    resent = verdict.publish_attempts - verdict.tasks
+    return f"{verdict.publish_attempts}: {resent} resent with the same task id after an error"
+
+
 def _rows(verdict: Verdict) -> list[Text | str]:
     queued = verdict.still_queued
     malformed = verdict.malformed
     return [
-        str(verdict.tasks),
+        _published(verdict),
+        _attempts(verdict),
         str(verdict.effects),
         _count(verdict.lost, bad=True),
         _count(verdict.double_effects, bad=True)
@@ -99,7 +115,8 @@ def _rows(verdict: Verdict) -> list[Text | str]:
 
 
 ROW_NAMES = [
-    "tasks published",
+    "tasks published (malformed messages apart)",
+    "publish attempts",
     "effects committed",
     "lost",
     "tasks with a double effect",
@@ -124,8 +141,8 @@ ROW_NAMES = [
 def comparison_table(result: LabResult) -> Table:
     config = result.config
     title = (
-        f"Fault lab: {config.tasks} tasks, {config.workers} workers, lease {config.lease:g}s, "
-        f"seed {config.seed}, {result.topology}, {result.database}"
+        f"Fault lab: {config.tasks} plain tasks and the faults' own, {config.workers} workers, "
+        f"lease {config.lease:g}s, seed {config.seed}, {result.topology}, {result.database}"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("")
@@ -166,8 +183,7 @@ def violations(result: LabResult, limit: int = 8) -> Group:
         for entry in failed:
             lines.append(Text(f"{broker}: fault {entry['kind']} {entry['detail']}", style="yellow"))
         if verdict.settlement != "settled":
-            note = f"{broker}: the work {verdict.settlement} before it settled; see 'still in Redis'"
-            lines.append(Text(note, style="yellow"))
+            lines.append(Text(f"{broker}: {unsettled_note(verdict)}", style="yellow"))
         for violation in verdict.violations[:limit]:
             lines.append(Text(f"{broker}: {violation}", style="red" if broker == "fenced" else ""))
         if len(verdict.violations) > limit:
@@ -178,8 +194,39 @@ def violations(result: LabResult, limit: int = 8) -> Group:
     return Group(*lines)
 
 
+def unsettled_note(verdict: Verdict) -> str:
+    """What an unsettled run's numbers show: what stayed in flight, and what was left once workers stopped."""
+    held = _mapping(verdict.unsettled) if verdict.unsettled else "messages"
+    if verdict.settlement == "stalled":
+        why = (
+            f"the work stalled: {held} stayed in Redis with no new effect or dead letter for "
+            f"{verdict.stalled_for:g} s, so the lab stopped waiting"
+        )
+    else:
+        why = f"the work {verdict.settlement} with {held} still in Redis"
+    left = sum(verdict.still_queued.values())
+    if left:
+        queued = verdict.still_queued
+        return (
+            f"{why}; after the workers stopped, {left} of the run's tasks were still in Redis "
+            f"(ready {queued['ready']}, leased {queued['leased']}, delayed {queued['delayed']})"
+        )
+    return (
+        f"{why}; after the workers stopped, none of the run's tasks was left in Redis "
+        "(the row 'still in Redis at the end' counts after that stop)"
+    )
+
+
 def print_report(result: LabResult, console: Console) -> None:
     console.print(comparison_table(result))
     console.print(faults_table(result))
     console.print(violations(result))
-    console.print(f"Files of this run (worker logs, Redis, report.json): {result.run_dir}")
+    console.print(f"Files of this run (worker logs, Redis, report.json): {_relative(result.run_dir)}")
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the working directory when it is inside it (the repository, for the commands)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

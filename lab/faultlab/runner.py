@@ -276,7 +276,7 @@ def run_broker(
         _raise_if_stopped(stop)
         lap("faults")
         all_queues = [*queues, *(slot.own_queue for slot in fleet.slots)]
-        settlement = _settle(config, broker, context, topology, all_queues, progress)
+        settlement, unsettled = _settle(config, broker, context, topology, all_queues, progress)
         _raise_if_stopped(stop)
         lap("settle")
 
@@ -284,6 +284,7 @@ def run_broker(
         fleet.stop()
         progress(f"{broker}: recording", 0, 0)
         history = _record(broker, run, context, topology, all_queues, settlement)
+        history = replace(history, unsettled=unsettled, stalled_for=round(grace_of(config) + config.lease, 1))
         connections.close_all()
     lap("teardown")
     return replace(history, seconds=time.monotonic() - started, timings=timings)
@@ -328,23 +329,36 @@ def _wait_for_faults(
         raise FaultLabError(f"faults still running {deadline - context.started_at:.0f}s into the run")
 
 
-def _in_flight(broker: str, client, queues: list[str]) -> tuple[int, int]:
-    """(messages ready, leased or delayed; dead-lettered messages) in Redis right now."""
+def _in_flight(broker: str, client, queues: list[str]) -> tuple[int, int, dict[str, int]]:
+    """(messages ready, leased or delayed; dead-lettered messages; the non-zero counts by key) right now."""
     pipe = client.pipeline(transaction=False)
+    names: list[str] = []
     if broker == "fenced":
         from broker_ext.keys import QueueKeys
 
         for queue in queues:
             keys = QueueKeys(queue)
-            for key in (keys.ready, keys.leases, keys.delayed, keys.dead):
+            for place, key in (("ready", keys.ready), ("leased", keys.leases), ("delayed", keys.delayed)):
                 pipe.zcard(key)
+                names.append(f"{queue} {place}")
+            pipe.zcard(keys.dead)
         counts = pipe.execute()
         dead = sum(counts[3::4])
-        return sum(counts) - dead, dead
-    for queue in queues:
-        pipe.llen(queue)
-    pipe.hlen("unacked")
-    return sum(pipe.execute()), 0
+        live = [count for index, count in enumerate(counts) if index % 4 != 3]
+    else:
+        for queue in queues:
+            pipe.llen(queue)
+            names.append(f"{queue} ready")
+        pipe.hlen("unacked")
+        names.append("unacked")
+        live, dead = pipe.execute(), 0
+    detail = {name: count for name, count in zip(names, live, strict=True) if count}
+    return sum(live), dead, detail
+
+
+def grace_of(config: LabConfig) -> float:
+    """How long the settle phase waits with nothing in flight for redeliveries: a lease, a sweep, a margin."""
+    return config.lease + min(config.lease / 2, 5.0) + 3.0
 
 
 def _settle(
@@ -354,25 +368,27 @@ def _settle(
     topology: Topology,
     queues: list[str],
     progress: Progress,
-) -> str:
+) -> tuple[str, dict[str, int]]:
     """Wait until nothing is in flight and every task has an effect or a dead letter (bounded).
 
-    Returns ``"settled"``; ``"stalled"`` when nothing changed (in flight,
-    effects, dead letters) for a grace period and a lease while work was still
-    in flight, as when a stock worker died holding ``unacked_mutex`` and every
-    restore waits five minutes; or ``"timed out"``. With nothing in flight
-    but tasks unaccounted for, it waits one grace period (a lease, a reclaim
-    sweep and a margin) for redeliveries, then settles: those tasks are lost.
+    Returns the settlement and what was in flight when it was decided (by
+    key, non-zero counts only). The settlement is ``"settled"``; ``"stalled"``
+    when nothing changed (in flight, effects, dead letters) for a grace period
+    and a lease while work was still in flight, as when a stock worker died
+    holding ``unacked_mutex`` and every restore waits five minutes; or
+    ``"timed out"``. With nothing in flight but tasks unaccounted for, it
+    waits one grace period (a lease, a reclaim sweep and a margin) for
+    redeliveries, then settles: those tasks are lost.
     """
     expected = {task.label for task in context.publisher.published() if not task.malformed and task.accepted}
-    grace = config.lease + min(config.lease / 2, 5.0) + 3.0
+    grace = grace_of(config)
     deadline = time.monotonic() + config.settle_timeout
-    quiet_since = None
+    quiet_since, detail = None, {}
     last, changed_at = None, time.monotonic()
     client = topology.client()
     try:
         while time.monotonic() < deadline and not context.stop.is_set():
-            in_flight, dead = _in_flight(broker, client, queues)
+            in_flight, dead, detail = _in_flight(broker, client, queues)
             effects = database.labels_with_effects(context.run)
             progress(f"{broker}: settling", min(effects + dead, len(expected)), len(expected))
             context.fleet.supervise()
@@ -382,14 +398,14 @@ def _settle(
             if in_flight:
                 quiet_since = None
                 if now - changed_at >= grace + config.lease:
-                    return "stalled"
+                    return "stalled", detail
             else:
                 quiet_since = quiet_since or now
                 complete = effects + dead >= len(expected)
                 if (complete and now - quiet_since >= 1.0) or now - quiet_since >= grace:
-                    return "settled"
+                    return "settled", {}
             context.stop.wait(0.5)
-        return "timed out"
+        return "timed out", detail
     finally:
         client.close()
 

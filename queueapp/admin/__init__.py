@@ -6,7 +6,7 @@
   *requeue dead-lettered*, each confirmed, logged and permission-checked.
 - **Stuck tasks**, **Duplicates** and **Queues** pages, linked from the
   outcomes changelist and the app index.
-- **Task deliveries** and **Outbox messages**: read-only logs.
+- **Task deliveries**, **Operator actions** and **Outbox messages**: read-only logs.
 
 Nothing here adds, edits or deletes a record by hand: the idempotency
 records are the proof that a key ran once, so they are read-only.
@@ -17,9 +17,10 @@ from __future__ import annotations
 from django.contrib import admin
 
 from queueapp.admin.outcomes import TaskOutcomeAdmin
-from queueapp.admin.readonly import OutboxMessageAdmin, TaskDeliveryAdmin
-from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
+from queueapp.admin.readonly import OperatorActionAdmin, OutboxMessageAdmin, TaskDeliveryAdmin
+from queueapp.models import OperatorAction, OutboxMessage, TaskDelivery, TaskOutcome
 
 admin.site.register(TaskOutcome, TaskOutcomeAdmin)
 admin.site.register(TaskDelivery, TaskDeliveryAdmin)
 admin.site.register(OutboxMessage, OutboxMessageAdmin)
+admin.site.register(OperatorAction, OperatorActionAdmin)

@@ -41,18 +41,22 @@ def run_or_confirm(
     cancel_url: str,
 ) -> TemplateResponse | None:
     """Show the dry run for confirmation, or (confirmed) run, log and report; ``None`` when done."""
+    if not confirmed(request):
+        context = {
+            **model_admin.admin_site.each_context(request),
+            "opts": model_admin.opts,
+            "title": title,
+            "hidden": list(hidden),
+            "button": button,
+            "cancel_url": cancel_url,
+        }
+        try:
+            context["results"] = run(True)
+        except BrokerUnavailable as exc:
+            # The plan needs the broker's view of every row: without it, nothing may be confirmed.
+            context.update(results=[], broker_outage=str(exc))
+        return TemplateResponse(request, CONFIRM_TEMPLATE, context)
     try:
-        if not confirmed(request):
-            context = {
-                **model_admin.admin_site.each_context(request),
-                "opts": model_admin.opts,
-                "title": title,
-                "results": run(True),
-                "hidden": list(hidden),
-                "button": button,
-                "cancel_url": cancel_url,
-            }
-            return TemplateResponse(request, CONFIRM_TEMPLATE, context)
         results = run(False)
     except BrokerUnavailable as exc:
         model_admin.message_user(request, f"{title}: nothing done, {exc}", messages.ERROR)
@@ -89,8 +93,10 @@ def report_results(model_admin, request, title: str, results: list[ActionResult]
     level = messages.SUCCESS if counts["done"] and not counts["failed"] else messages.WARNING
     model_admin.message_user(request, summary, level)
     for result in [r for r in results if r.verdict in ("skipped", "failed")][:DETAILED_MESSAGES]:
+        # The key is not the first word: the admin's message list capitalises the first letter
+        # (``capfirst``), and a key must stay as it is to be pasted into ``--key`` or the search box.
         label = result.key or f"{result.queue}/{result.message_id}"
         level = messages.ERROR if result.verdict == "failed" else messages.INFO
         model_admin.message_user(
-            request, f"{label}: {result.verdict}: {result.error or result.detail}", level
+            request, f"{result.verdict.capitalize()} {label}: {result.error or result.detail}", level
         )

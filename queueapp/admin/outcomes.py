@@ -19,24 +19,58 @@ from django.utils.html import format_html
 from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 
+from broker_ext.records import Place
 from queueapp.admin.confirm import run_or_confirm
+from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
-from queueapp.broker import describe_payload, fenced_channel
+from queueapp.broker import describe_payload
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskDelivery, TaskOutcome
 from queueapp.ops import actions
-from queueapp.ops.reports import message_id_of, queue_of
+from queueapp.ops.connection import ops_channel
+from queueapp.ops.reports import broker_states, message_id_of, queue_of
+
+Status = TaskOutcome.Status
+
+#: Characters of a key and of an error the changelist shows (the full value is in the cell's title).
+KEY_CHARS = 24
+ERROR_CHARS = 48
+
+
+def _shortened(text: str, length: int, *, title: str | None = None) -> str:
+    shown = text if len(text) <= length else text[: length - 1] + "\u2026"
+    return format_html('<span title="{}">{}</span>', title if title is not None else text, shown)
+
+
+def broker_truth(outcome: TaskOutcome, state) -> tuple[str, str, str] | None:
+    """``(css class, label, why)`` when the broker contradicts the row's open status, else ``None``.
+
+    A *queued* or *running* row whose message the broker dead-lettered is
+    *dead-lettered* (the reconciliation pass will say so in the row too); a
+    *running* row whose lease expired without being reclaimed says so.
+    """
+    if state is None or outcome.status not in (Status.QUEUED, Status.RUNNING):
+        return None
+    said = _("the database says %(status)s; the broker: %(where)s") % {
+        "status": outcome.status,
+        "where": state.describe(),
+    }
+    if state.place is Place.DEAD:
+        return "dead", _("dead-lettered"), said
+    if outcome.status == Status.RUNNING and state.place is Place.LEASED and not state.lease_alive:
+        return "failed", _("lease expired"), said
+    return None
 
 
 class TaskDeliveryInline(admin.TabularInline):
-    """The key's delivery log, newest first: who delivered it with which token, and the verdict."""
+    """The key's delivery log, oldest first (as the timeline numbers it): who, which token, the verdict."""
 
     model = TaskDelivery
     extra = 0
     can_delete = False
-    ordering = ("-started_at", "-id")
+    ordering = ("started_at", "id")
     fields = (
         "started_at",
         "verdict",
@@ -49,6 +83,7 @@ class TaskDeliveryInline(admin.TabularInline):
         "queue",
         "detail",
         "finished_at",
+        "lease_deadline",
     )
     readonly_fields = fields
 
@@ -59,18 +94,20 @@ class TaskDeliveryInline(admin.TabularInline):
         return False
 
 
-class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
+class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
     list_display = (
-        "idempotency_key",
+        "key_short",
         "status_badge",
-        "task_name",
+        "task_short",
         "queue",
         "attempts",
         "deliveries",
         "age",
         "worker",
         "duplicates",
+        "error_short",
     )
+    list_display_links = ("key_short",)
     list_filter = ("status", TaskFilter, QueueFilter, StuckFilter, DuplicatesFilter)
     search_fields = ("idempotency_key", "task_id", "args", "kwargs")
     search_help_text = _("Search by idempotency key, task id, or a value in the arguments.")
@@ -83,7 +120,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
         (None, {"fields": ("idempotency_key", "task_name", "status", "queue", "task_id", "message_id")}),
         (
             _("Arguments and result"),
-            {"fields": ("args_json", "kwargs_json", "result_json", "error", "traceback")},
+            {"fields": ("args_json", "kwargs_json", "result_json", "error_pre", "traceback_pre")},
         ),
         (
             _("Deliveries"),
@@ -131,13 +168,63 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
     def get_readonly_fields(self, request, obj=None):
         return [name for _title, options in self.fieldsets for name in options["fields"]]
 
+    # -- the changelist: the page's rows joined with the broker's states in one bounded read --
+
+    def changelist_view(self, request, extra_context=None):
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None) or {}
+        changelist = context.get("cl")
+        if changelist is not None:
+            rows = list(changelist.result_list)  # evaluated once: the template iterates these objects
+            app = self.celery_app()
+            try:
+                with ops_channel(app) as channel:
+                    states = broker_states(app, rows, channel)
+            except BrokerUnavailable as exc:
+                context["broker_outage"] = str(exc)
+                states = None
+            for row in rows:
+                row.broker_known = states is not None
+                row.broker_state = states.get(row.pk) if states is not None else None
+        return response
+
     # -- columns ----------------------------------------------------------------------------
+
+    @admin.display(description=_("idempotency key"), ordering="idempotency_key")
+    def key_short(self, outcome: TaskOutcome) -> str:
+        return _shortened(outcome.idempotency_key, KEY_CHARS)
 
     @admin.display(description=_("status"), ordering="status")
     def status_badge(self, outcome: TaskOutcome) -> str:
-        return format_html(
+        """The database's status, or the broker's truth where it differs (dead-lettered, lease expired)."""
+        truth = broker_truth(outcome, getattr(outcome, "broker_state", None))
+        if truth is not None:
+            css, label, why = truth
+            return format_html('<span class="qa-status qa-status-{}" title="{}">{}</span>', css, why, label)
+        badge = format_html(
             '<span class="qa-status qa-status-{}">{}</span>', outcome.status, outcome.get_status_display()
         )
+        if getattr(outcome, "broker_known", True) or not message_id_of(outcome):
+            return badge
+        return format_html(
+            '{} <span class="qa-unknown" title="{}">{}</span>',
+            badge,
+            _("Redis could not be read: where the broker holds the message is unknown"),
+            _("broker: unknown"),
+        )
+
+    @admin.display(description=_("task name"), ordering="task_name")
+    def task_short(self, outcome: TaskOutcome) -> str:
+        """The task's last two dotted parts (its module and name); the full name on hover."""
+        short = ".".join(outcome.task_name.split(".")[-2:])
+        return format_html('<span title="{}">{}</span>', outcome.task_name, short)
+
+    @admin.display(description=_("error"))
+    def error_short(self, outcome: TaskOutcome) -> str:
+        """The error's first line, shortened; the whole error on hover and on the detail page."""
+        if not outcome.error:
+            return "-"
+        return _shortened(outcome.error.strip().splitlines()[0], ERROR_CHARS, title=outcome.error)
 
     @admin.display(description=_("age"), ordering="queued_at")
     def age(self, outcome: TaskOutcome) -> str:
@@ -172,22 +259,46 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
     def result_json(self, outcome: TaskOutcome) -> str:
         return self._pretty(outcome.result)
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        response = super().change_view(request, object_id, form_url, extra_context)
+        context = getattr(response, "context_data", None)
+        original = context.get("original") if context else None
+        if original is not None:
+            self._read_broker(original)
+            context["broker_outage"] = original.broker_error
+        return response
+
+    def _read_broker(self, outcome: TaskOutcome) -> None:
+        """Where the broker holds the key's latest message, and its raw payload: one bounded read per page."""
+        if hasattr(outcome, "broker_error"):
+            return
+        outcome.broker_error, outcome.broker_state, outcome.broker_payload = "", None, None
+        message_id = message_id_of(outcome)
+        if not message_id:
+            return
+        app = self.celery_app()
+        try:
+            with ops_channel(app) as channel:
+                queue = channel.fenced_queue(queue_of(outcome, app))
+                outcome.broker_state = queue.locate([message_id])[message_id]
+                if outcome.broker_state.in_broker:
+                    outcome.broker_payload = queue.payload(message_id)
+        except BrokerUnavailable as exc:
+            outcome.broker_error = str(exc)
+
     @admin.display(description=_("message in the broker"))
     def broker_message(self, outcome: TaskOutcome) -> str:
         """Where the broker holds the key's latest message, and the raw message while it is there."""
         message_id = message_id_of(outcome)
         if not message_id:
             return _("no message recorded")
-        app = self.celery_app()
-        queue_name = queue_of(outcome, app)
-        try:
-            with fenced_channel(app) as channel:
-                queue = channel.fenced_queue(queue_name)
-                state = queue.locate([message_id])[message_id]
-                payload = queue.payload(message_id) if state.in_broker else None
-        except BrokerUnavailable as exc:
-            return str(exc)
-        where = f"{message_id} in queue {queue_name!r}: {state.describe()}"
+        self._read_broker(outcome)
+        if outcome.broker_error:
+            return format_html(
+                '{} <span class="qa-unknown">{}</span>', message_id, _("unknown: Redis could not be read")
+            )
+        state, payload = outcome.broker_state, outcome.broker_payload
+        where = f"{message_id} in queue {state.queue!r}: {state.describe()}"
         info = describe_payload(payload)
         if not info.readable:
             if payload is None:
@@ -200,6 +311,11 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
         )
 
     # -- actions ------------------------------------------------------------------------------
+
+    @staticmethod
+    def operator(request) -> dict[str, str]:
+        """Who runs an action, as the actions record it (``actor``, ``via``)."""
+        return {"actor": request.user.get_username(), "via": "the admin"}
 
     def _run_action(self, request, queryset, name: str, title: str, button: str, service, **options):
         outcomes = list(queryset)
@@ -216,12 +332,17 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
     @admin.action(description=_("Requeue selected task outcomes"), permissions=("requeue",))
     def requeue_selected(self, request, queryset):
         return self._run_action(
-            request, queryset, "requeue_selected", _("Requeue"), _("Yes, requeue"), actions.requeue
+            request,
+            queryset,
+            "requeue_selected",
+            _("Requeue"),
+            _("Yes, requeue"),
+            actions.requeue,
+            **self.operator(request),
         )
 
     @admin.action(description=_("Mark selected task outcomes dead"), permissions=("mark_dead",))
     def mark_dead(self, request, queryset):
-        actor = f"{request.user.get_username()} (admin)"
         return self._run_action(
             request,
             queryset,
@@ -229,7 +350,7 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
             _("Mark dead"),
             _("Yes, mark dead"),
             actions.mark_dead,
-            actor=actor,
+            **self.operator(request),
         )
 
     @admin.action(
@@ -243,4 +364,5 @@ class TaskOutcomeAdmin(OpsPagesMixin, ReadOnlyAdmin):
             _("Requeue dead-lettered"),
             _("Yes, requeue"),
             actions.requeue_outcomes_dead_letters,
+            **self.operator(request),
         )

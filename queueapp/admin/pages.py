@@ -18,10 +18,13 @@ from django.utils.translation import gettext as _
 
 from queueapp import cache
 from queueapp.admin.confirm import run_or_confirm
+from queueapp.admin.monitoring import MonitoringPagesMixin
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops import actions, queues, reports
+from queueapp.ops import actions, diagnosis, queues, rates, reports
 
 DEAD_LETTER_FIELD = "message"
+#: The Queues page's counter columns, each with its rate (every counter is in ``queue_status --json``).
+COUNTERS = ("published", "claimed", "acked", "dead_lettered", "reclaimed", "revived")
 
 
 def dead_letter_value(queue: str, message_id: str) -> str:
@@ -41,7 +44,7 @@ def _parse_dead_letters(values: list[str]) -> dict[str, list[str]]:
     return chosen
 
 
-class OpsPagesMixin:
+class OpsPagesMixin(MonitoringPagesMixin):
     """Stuck, Duplicates and Queues pages for a ``ModelAdmin`` of :class:`~queueapp.models.TaskOutcome`."""
 
     def get_urls(self):
@@ -51,6 +54,8 @@ class OpsPagesMixin:
             path("stuck/", wrap(self.stuck_view), name=f"{name}_stuck"),
             path("duplicates/", wrap(self.duplicates_view), name=f"{name}_duplicates"),
             path("queues/", wrap(self.queues_view), name=f"{name}_queues"),
+            path("charts/", wrap(self.charts_view), name=f"{name}_charts"),
+            path("workers/", wrap(self.workers_view), name=f"{name}_workers"),
             path(
                 "dead-letters/requeue/",
                 wrap(self.requeue_dead_letters_view),
@@ -93,21 +98,51 @@ class OpsPagesMixin:
     def duplicates_view(self, request):
         if not self.has_view_permission(request):
             raise PermissionDenied
-        report = reports.duplicates_report(self.celery_app())
+        app = self.celery_app()
+        report = reports.duplicates_report(app)
+        found = diagnosis.diagnose_outcomes(
+            app, [g.outcome for g in report.groups if g.outcome is not None], broker=not report.broker_error
+        )
+        groups = [(g, found.get(g.outcome.pk) if g.outcome is not None else None) for g in report.groups]
         return self._page(
-            request, "duplicates.html", _("Duplicates"), report=report, broker_error=report.broker_error
+            request,
+            "duplicates.html",
+            _("Duplicates"),
+            report=report,
+            groups=groups,
+            broker_error=report.broker_error,
         )
 
     def queues_view(self, request):
         if not self.has_view_permission(request):
             raise PermissionDenied
-        stats, error = [], ""
+        app = self.celery_app()
+        url = str(app.conf.broker_url)
+        rows, error, window = [], "", None
         try:
-            app = self.celery_app()
-            stats = cache.queue_stats(str(app.conf.broker_url), lambda: queues.queue_stats(app))
+            stats = cache.queue_stats(url, lambda: rates.observe(url, queues.queue_stats(app)))
         except BrokerUnavailable as exc:
-            error = str(exc)
-        return self._page(request, "queues.html", _("Queues"), stats=stats, broker_error=error)
+            stats, error = [], str(exc)
+        if stats:
+            latest = rates.latest(url)
+            window = latest.window_s
+            rows = [
+                (
+                    entry,
+                    [(name, entry.counters.get(name, 0), latest.of(entry.queue, name)) for name in COUNTERS],
+                )
+                for entry in stats
+            ]
+        return self._page(
+            request,
+            "queues.html",
+            _("Queues"),
+            stats=stats,
+            rows=rows,
+            counters=[name.replace("_", " ") for name in COUNTERS],
+            rate_window_s=window,
+            broker_error=error,
+        )
 
     def requeue_dead_letters_view(self, request):
         """Requeue the dead letters ticked on the Stuck page (confirmation first)."""
@@ -126,7 +161,9 @@ class OpsPagesMixin:
         def run(dry_run: bool) -> list[actions.ActionResult]:
             results = []
             for queue, message_ids in chosen.items():
-                results += actions.requeue_dead_letters(app, queue, message_ids, dry_run=dry_run)
+                results += actions.requeue_dead_letters(
+                    app, queue, message_ids, dry_run=dry_run, **self.operator(request)
+                )
             return results
 
         response = run_or_confirm(

@@ -29,6 +29,16 @@ class TaskDeliveryAdmin(ReadOnlyAdmin):
     date_hierarchy = "started_at"
 
 
+class OperatorActionAdmin(ReadOnlyAdmin):
+    """Who requeued or marked dead which key, from where (the diagnosis cites them)."""
+
+    list_display = ("at", "action", "actor", "via", "outcome", "queue", "message_id")
+    list_filter = ("action", "via")
+    search_fields = ("outcome__idempotency_key", "actor", "message_id")
+    list_select_related = ("outcome",)
+    date_hierarchy = "at"
+
+
 class OutboxMessageAdmin(ReadOnlyAdmin):
     list_display = (
         "created_at",

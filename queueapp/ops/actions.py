@@ -15,9 +15,17 @@ The rules that keep the guarantees:
   message was acked) is published again with the same Celery task id and the
   next retry number: the fenced publish is idempotent on ``<task id>.<retries>``,
   so a repeated requeue stores it once.
-- The database is changed first (a *dead* key must be *queued* before its
-  message can run, or the delivery is suppressed), and put back if the
-  broker step fails.
+- Requeue changes the database first (a *dead* key must be *queued* before
+  its message can run, or the delivery is suppressed) and puts the row back
+  exactly as it was (status, lease deadline, finish and change times) if the
+  broker step fails; mark dead dead-letters the message first and writes the
+  row after. Either way a broker that stops answering mid-action leaves the
+  row of the key it was working on as it was.
+- **An outage stops the action.** Every broker call goes through
+  :func:`~queueapp.ops.connection.ops_channel` (bounded by
+  ``OPS_BROKER_TIMEOUT``); once Redis fails mid-action, the rest of the
+  selection is reported *failed, not tried* instead of each waiting for its
+  own timeout, and what was done before the failure is reported done.
 """
 
 from __future__ import annotations
@@ -33,8 +41,8 @@ from broker_ext.errors import Reply
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
-from queueapp.broker import fenced_channel
-from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
+from queueapp.ops.connection import BROKER_ERRORS, ops_channel
 from queueapp.ops.reports import (
     BrokerMessage,
     broker_messages,
@@ -106,6 +114,25 @@ def _result(outcome: TaskOutcome, app, step: Step, detail: str, **extra) -> Acti
     )
 
 
+def record_actions(action: str, results: list[ActionResult], *, actor: str = "", via: str = "") -> None:
+    """Remember who changed which key (one :class:`OperatorAction` per change made), for the diagnosis."""
+    rows = [
+        OperatorAction(
+            outcome_id=result.outcome_id,
+            action=action,
+            actor=actor[:255],
+            via=via[:64],
+            queue=result.queue[:255],
+            message_id=result.message_id[:255],
+            detail=result.detail,
+        )
+        for result in results
+        if result.verdict == "done"
+    ]
+    if rows:
+        OperatorAction.objects.using(conf.get("DATABASE")).bulk_create(rows)
+
+
 def _tick(progress: Progress) -> None:
     if progress is not None:
         progress()
@@ -123,10 +150,27 @@ def _reopen(outcome: TaskOutcome) -> bool:
 
 
 def _restore(outcome: TaskOutcome) -> None:
-    """Undo :func:`_reopen` after a broker step failed (only if the row is still as it left it)."""
+    """Undo :func:`_reopen` after a broker step failed: the row as it was read (if nobody moved it since)."""
     TaskOutcome.objects.using(conf.get("DATABASE")).filter(
         pk=outcome.pk, status=Status.QUEUED, fence_token=outcome.fence_token
-    ).update(status=outcome.status, updated_at=timezone.now())
+    ).update(
+        status=outcome.status,
+        lease_deadline=outcome.lease_deadline,
+        finished_at=outcome.finished_at,
+        updated_at=outcome.updated_at,
+    )
+
+
+#: The error of the rows an action did not try after Redis stopped answering.
+NOT_TRIED = "not tried: Redis stopped answering during the action"
+
+
+def _broker_failed(results: list[ActionResult]) -> bool:
+    return bool(results) and results[-1].error.startswith(BROKER_FAILURE)
+
+
+#: How the error of a step the broker failed starts (the action stops there).
+BROKER_FAILURE = "Redis failed: "
 
 
 def _next_retry(outcome: TaskOutcome) -> int:
@@ -145,10 +189,15 @@ def _next_retry(outcome: TaskOutcome) -> int:
 
 
 def _republish(app, channel, outcome: TaskOutcome) -> str:
-    """Publish the outcome's task again under its task id; returns the message id the broker now holds."""
+    """Publish the outcome's task again under its task id; returns the message id the broker now holds.
+
+    The publish goes through the operator's own bounded channel, without
+    Kombu's publish retries: a hung Redis fails it in ``OPS_BROKER_TIMEOUT``.
+    """
     queue_name = queue_of(outcome, app)
     task_id = outcome.task_id or outcome.idempotency_key
     retries = _next_retry(outcome)
+    producer = app.amqp.Producer(channel, auto_declare=False)
     for attempt in range(REPUBLISH_ATTEMPTS):
         message_id = task_message_id(task_id, retries + attempt)
         app.send_task(
@@ -158,6 +207,8 @@ def _republish(app, channel, outcome: TaskOutcome) -> str:
             task_id=task_id,
             retries=retries + attempt,
             queue=queue_name,
+            producer=producer,
+            retry=False,
         )
         # A publish of an id acked within the transport's dedup window is a no-op: try the next number.
         if channel.fenced_queue(queue_name).locate([message_id])[message_id].in_broker:
@@ -181,14 +232,23 @@ def plan_requeue(outcome: TaskOutcome, state: MessageState | None) -> tuple[Step
 
 
 def requeue(
-    app, outcomes: Iterable[TaskOutcome], *, dry_run: bool = False, progress: Progress = None
+    app,
+    outcomes: Iterable[TaskOutcome],
+    *,
+    dry_run: bool = False,
+    progress: Progress = None,
+    actor: str = "",
+    via: str = "",
 ) -> list[ActionResult]:
-    """Requeue each outcome's task under its own idempotency key (see the module docstring)."""
+    """Requeue each outcome's task under its own idempotency key (see the module docstring).
+
+    ``actor`` and ``via`` (who, and from where) are recorded with each change made.
+    """
     outcomes = list(outcomes)
     results = []
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
-        for outcome in outcomes:
+        for index, outcome in enumerate(outcomes):
             state = states.get(outcome.pk)
             step, detail = plan_requeue(outcome, state)
             if dry_run or step is Step.SKIP:
@@ -196,6 +256,10 @@ def requeue(
             else:
                 results.append(_requeue_one(app, channel, outcome, state, step, detail))
             _tick(progress)
+            if _broker_failed(results):
+                results += [_result(o, app, step, detail, error=NOT_TRIED) for o in outcomes[index + 1 :]]
+                break
+    record_actions("requeue", results, actor=actor, via=via)
     return results
 
 
@@ -234,7 +298,13 @@ def _requeue_one(
         return _result(outcome, app, step, "reopened: its ready message will run", done=True)
     except Exception as exc:
         _restore(outcome)
-        return _result(outcome, app, step, detail, error=f"{type(exc).__name__}: {exc}")
+        return _result(outcome, app, step, detail, error=_error_of(exc))
+
+
+def _error_of(exc: BaseException) -> str:
+    """An action's error text; a broker failure is marked so the action stops after it."""
+    prefix = BROKER_FAILURE if isinstance(exc, BROKER_ERRORS) else ""
+    return f"{prefix}{type(exc).__name__}: {exc}"
 
 
 def plan_mark_dead(outcome: TaskOutcome, state: MessageState | None) -> tuple[Step, str]:
@@ -254,22 +324,38 @@ def mark_dead(
     outcomes: Iterable[TaskOutcome],
     *,
     actor: str = "an operator",
+    via: str = "",
     dry_run: bool = False,
     progress: Progress = None,
 ) -> list[ActionResult]:
     """Mark each outcome *dead* (its deliveries are then suppressed) and dead-letter a message still held."""
+    by = f"{actor} from {via}" if via else actor
     outcomes = list(outcomes)
     results = []
     db = conf.get("DATABASE")
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
-        for outcome in outcomes:
+        for index, outcome in enumerate(outcomes):
             state = states.get(outcome.pk)
             step, detail = plan_mark_dead(outcome, state)
             _tick(progress)
             if dry_run or step is Step.SKIP:
                 results.append(_result(outcome, app, step, detail))
                 continue
+            held = state is not None and state.in_broker and state.place is not Place.DEAD
+            if held:
+                # The broker first: if Redis fails here, the row has not been touched.
+                try:
+                    channel.fenced_queue(state.queue).force_dead_letter(
+                        [state.message_id], f"marked dead by {by}"
+                    )
+                except Exception as exc:
+                    results.append(_result(outcome, app, step, detail, error=_error_of(exc)))
+                    if _broker_failed(results):
+                        rest = outcomes[index + 1 :]
+                        results += [_result(o, app, step, detail, error=NOT_TRIED) for o in rest]
+                        break
+                    continue
             now = timezone.now()
             marked = (
                 TaskOutcome.objects.using(db)
@@ -278,20 +364,14 @@ def mark_dead(
                 .update(status=Status.DEAD, lease_deadline=None, finished_at=now, updated_at=now)
             )
             if not marked:
-                results.append(_result(outcome, app, Step.SKIP, "succeeded meanwhile: not marked dead"))
+                why = "succeeded meanwhile: not marked dead"
+                if held:
+                    why += " (its message copy stays dead-lettered for inspection)"
+                results.append(_result(outcome, app, Step.SKIP, why))
                 continue
-            if state is not None and state.in_broker and state.place is not Place.DEAD:
-                queue = channel.fenced_queue(state.queue)
-                try:
-                    queue.force_dead_letter([state.message_id], f"marked dead by {actor}")
-                except Exception as exc:
-                    error = f"marked dead, but the message could not be dead-lettered: {exc!r}"
-                    results.append(_result(outcome, app, step, detail, error=error))
-                    continue
-                detail = "marked dead; its message is in the dead-letter set"
-            else:
-                detail = "marked dead"
+            detail = "marked dead; its message is in the dead-letter set" if held else "marked dead"
             results.append(_result(outcome, app, step, detail, done=True))
+    record_actions("mark dead", results, actor=actor, via=via)
     return results
 
 
@@ -325,20 +405,27 @@ def requeue_dead_letters(
     *,
     dry_run: bool = False,
     progress: Progress = None,
+    actor: str = "",
+    via: str = "",
 ) -> list[ActionResult]:
     """Revive dead-lettered messages of ``queue`` (``message_ids``, or all of its dead-letter set)."""
     results = []
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         fenced = channel.fenced_queue(queue)
         if message_ids is None:
             message_ids = fenced.dead_ids()
-        for message in broker_messages(app, fenced, list(dict.fromkeys(message_ids))):
+        messages = broker_messages(app, fenced, list(dict.fromkeys(message_ids)))
+        for index, message in enumerate(messages):
             step, detail = plan_revive_dead_letter(message)
             _tick(progress)
             if dry_run or step is Step.SKIP:
                 results.append(_message_result(message, step, detail))
             else:
                 results.append(_revive_dead_letter(fenced, message, detail))
+            if _broker_failed(results):
+                results += [_message_result(m, step, detail, error=NOT_TRIED) for m in messages[index + 1 :]]
+                break
+    record_actions("requeue dead-lettered", results, actor=actor, via=via)
     return results
 
 
@@ -349,7 +436,7 @@ def _revive_dead_letter(fenced, message: BrokerMessage, detail: str) -> ActionRe
     try:
         reply = revive(fenced, message.state)
     except Exception as exc:
-        reply, error = None, f"{type(exc).__name__}: {exc}"
+        reply, error = None, _error_of(exc)
     if reply is Reply.OK:
         done = "revived: ready again with a new fencing token"
         if message.outcome is None:
@@ -365,11 +452,17 @@ def _revive_dead_letter(fenced, message: BrokerMessage, detail: str) -> ActionRe
 
 
 def requeue_outcomes_dead_letters(
-    app, outcomes: Iterable[TaskOutcome], *, dry_run: bool = False, progress: Progress = None
+    app,
+    outcomes: Iterable[TaskOutcome],
+    *,
+    dry_run: bool = False,
+    progress: Progress = None,
+    actor: str = "",
+    via: str = "",
 ) -> list[ActionResult]:
     """The changelist's *requeue dead-lettered*: revive the selected keys' messages that are dead-lettered."""
     outcomes = list(outcomes)
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
     by_queue: dict[str, list[str]] = {}
     results = []
@@ -382,5 +475,7 @@ def requeue_outcomes_dead_letters(
         else:
             by_queue.setdefault(state.queue, []).append(state.message_id)
     for queue, message_ids in by_queue.items():
-        results += requeue_dead_letters(app, queue, message_ids, dry_run=dry_run, progress=progress)
+        results += requeue_dead_letters(
+            app, queue, message_ids, dry_run=dry_run, progress=progress, actor=actor, via=via
+        )
     return results

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from broker_ext.queue import scan_queue_names
 from broker_ext.records import QueueStats
 from queueapp import conf
-from queueapp.broker import fenced_channel
 from queueapp.models import TaskOutcome
+from queueapp.ops.connection import ops_channel
 
 _TRANSIENT_SUFFIX = ".reply.celery.pidbox"
 
@@ -42,6 +42,7 @@ def known_queues(app, channel=None) -> list[str]:
         TaskOutcome.objects.using(conf.get("DATABASE"))
         .exclude(queue="")
         .values_list("queue", flat=True)
+        .order_by()  # the model's ordering would make DISTINCT return one row per outcome
         .distinct()
     )
     if channel is not None:
@@ -51,7 +52,7 @@ def known_queues(app, channel=None) -> list[str]:
 
 def queue_stats(app, queues: list[str] | None = None) -> list[QueueStats]:
     """One consistent snapshot per queue (one script call each), for the Queues page and ``queue_status``."""
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         names = queues if queues else known_queues(app, channel)
         return [channel.fenced_queue(name).stats() for name in names]
 
@@ -78,7 +79,7 @@ def reclaim(app, queues: list[str] | None = None, *, dry_run: bool = False) -> l
     dead-letter set, as the keepers would send them.
     """
     reports = []
-    with fenced_channel(app) as channel:
+    with ops_channel(app) as channel:
         for name in queues or known_queues(app, channel):
             queue = channel.fenced_queue(name)
             expired = queue.stats().expired_leases

@@ -19,10 +19,11 @@ from django.utils import timezone
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState
 from queueapp import conf
-from queueapp.broker import MessageInfo, describe_payload, fenced_channel
+from queueapp.broker import MessageInfo, describe_payload
 from queueapp.decorators import policy_of
 from queueapp.errors import BrokerUnavailable, IdempotencyKeyError
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
+from queueapp.ops.connection import ops_channel
 from queueapp.ops.queues import known_queues
 
 Status = TaskOutcome.Status
@@ -201,7 +202,7 @@ def stuck_report(app, *, limit: int | None = None, now: datetime | None = None) 
     )
     states: dict[int, MessageState] = {}
     try:
-        with fenced_channel(app) as channel:
+        with ops_channel(app) as channel:
             states = broker_states(app, running + overdue, channel)
             stuck_ms = int(stuck_after().total_seconds() * 1000)
             for name in known_queues(app, channel):
@@ -285,7 +286,7 @@ def duplicates_report(app, *, limit: int | None = None) -> DuplicatesReport:
     for entry in last:
         groups[entry["outcome__idempotency_key"]].last_at = entry["last"]
     try:
-        with fenced_channel(app) as channel:
+        with ops_channel(app) as channel:
             for name in known_queues(app, channel):
                 queue = channel.fenced_queue(name)
                 counters = queue.stats().counters

@@ -450,6 +450,21 @@ def test_a_requeue_out_of_deliveries_dead_letters_with_the_reason_it_was_given(q
     assert letter.reason.startswith("database unavailable: given back 3 times")
 
 
+def test_every_delivery_given_back_is_logged_with_its_reason_and_a_resent_requeue_is_not(queue):
+    queue.publish([message("a")])
+    (first,) = queue.claim()
+    assert queue.requeue([first.delivery], counted=True, reason="database unavailable") == [Reply.OK]
+    assert queue.requeue([first.delivery], counted=True, reason="database unavailable") == [Reply.OK]
+    (second,) = queue.claim()
+    queue.requeue([second.delivery], counted=False, delay_ms=50, token_floor=second.delivery.token + 7)
+    newest, oldest = queue.requeue_log(10)
+    assert (oldest.message_id, oldest.token, oldest.deliveries) == ("a", first.delivery.token, 1)
+    assert oldest.counted and oldest.reason == "database unavailable" == oldest.describe()
+    assert (newest.token, newest.deliveries, newest.counted) == (second.delivery.token, 2, False)
+    assert (newest.delay_ms, newest.token_floor) == (50, second.delivery.token + 7)
+    assert newest.describe().startswith("given back unspent") and newest.at_ms >= oldest.at_ms
+
+
 def test_a_priority_must_be_a_whole_number(queue, redis_client):
     before = snapshot(redis_client)
     with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):

@@ -49,6 +49,7 @@ def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_and_migr
     data = [
         *(ROOT / "broker_ext" / "lua").rglob("*.lua"),
         *(ROOT / "queueapp" / "templates").rglob("*.html"),
+        *(path for path in (ROOT / "queueapp" / "static").rglob("*") if path.is_file()),
         *(ROOT / "queueapp" / "migrations").glob("*.py"),
     ]
     missing = sorted(str(path.relative_to(ROOT)) for path in data if str(path.relative_to(ROOT)) not in files)

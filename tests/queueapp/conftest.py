@@ -10,12 +10,14 @@ server, never at a shared one.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from broker_ext.queue import FencedQueue
-from lab.processes import CeleryWorker, database_url_for_workers
+from lab.processes import REPO, CeleryWorker, database_url_for_workers
 from tests.helpers import reset_connections
 
 DEMO_TASKS = "tests.queueapp.demo_tasks"
@@ -176,3 +178,88 @@ def hanging_database() -> Iterator[str]:
     listener.close()
     for conn in held:
         conn.close()
+
+
+@pytest.fixture
+def outage_redis(settings, restartable_redis) -> Iterator:
+    """The broker and the cache on a Redis of this test alone, which the test may stop or pause.
+
+    Yields ``(server, queue)``: the server (``stop()``, ``pause()``) and its fenced queue ``celery``.
+    ``OPS_BROKER_TIMEOUT`` is 1 s, and the remembered outages are forgotten before and after.
+    """
+    from queueapp.ops import connection
+    from settings.celery import app
+
+    settings.QUEUEAPP = {**(getattr(settings, "QUEUEAPP", None) or {}), "OPS_BROKER_TIMEOUT": 1.0}
+    settings.CACHES = {
+        "default": {**settings.CACHES["default"], "LOCATION": f"redis://127.0.0.1:{restartable_redis.port}/0"}
+    }
+    reset_connections(app)
+    app.conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
+    connection._outages.clear()
+    yield restartable_redis, FencedQueue(restartable_redis.client(), "celery")
+    restartable_redis.resume()
+    connection._outages.clear()
+    reset_connections(app)
+
+
+# -- the admin in a real browser (tests/queueapp/test_browser*.py) ------------------------------------------
+# ``UPDATE_SCREENSHOTS=1`` writes a screenshot of each admin page to ``docs/admin-<page>.png``
+# (docs/operations.md shows them); otherwise they go to the test's temporary directory, so a normal
+# run never rewrites tracked files.
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def chromium_binary() -> str | None:
+    for candidate in ("chromium", "chromium-browser"):
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
+
+
+@pytest.fixture
+def page(tmp_path, monkeypatch) -> Iterator:
+    """A page of a fresh headless Chromium profile; skips when Chromium or Playwright is missing."""
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("Chromium is not installed: bin/bootstrap installs it with apt-get when run as root")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    # Playwright's sync API runs an event loop in this thread; the ORM calls in between are plain sync code.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=binary,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1680, "height": 1000},
+        )
+        context.set_default_timeout(30_000)
+        try:
+            yield context.new_page()
+        finally:
+            context.close()
+
+
+@pytest.fixture
+def screenshot(page, tmp_path):
+    """Save a full-page screenshot as ``admin-<name>.png``: in ``docs/`` only with UPDATE_SCREENSHOTS=1."""
+    folder = REPO / "docs" if os.environ.get("UPDATE_SCREENSHOTS") == "1" else tmp_path
+
+    def take(name: str) -> Path:
+        path = Path(folder) / f"admin-{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        return path
+
+    return take

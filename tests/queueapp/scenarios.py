@@ -18,9 +18,10 @@ from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue, QueueOptions
 from broker_ext.records import Claimed
 from lab.processes import wait_for
-from queueapp import ledger
+from queueapp import broker, ledger
 from queueapp.decorators import policy_of
 from queueapp.delivery import DeliveryInfo
+from queueapp.errors import DeliveryRefused
 from queueapp.execution import execute
 from queueapp.models import TaskOutcome
 from tests.queueapp import demo_tasks
@@ -164,3 +165,107 @@ def claim_expired(queue: FencedQueue, count: int) -> list[Claimed]:
     assert len(claimed) == count
     assert wait_for(lambda: queue.stats().expired_leases == before + count, timeout=5), queue.stats()
     return claimed
+
+
+# -- duplicated keys, one per cause the diagnosis explains (queueapp.ops.diagnosis) -------------------------
+
+
+def lease_expired_after_commit(
+    queue: FencedQueue, label: str, *, first: str = "w3@test", second: str = "w4@test"
+) -> Published:
+    """``effect(label)`` committed by ``first``, which then stopped (paused) before acking.
+
+    Its lease keeper had extended the lease once; the lease ran out, the broker
+    reclaimed it, and ``second`` got the message again: suppressed, the key had
+    already succeeded.
+    """
+    published = publish(demo_tasks.effect, label)
+    short = FencedQueue(queue.client, queue.name, options=QueueOptions(lease_ms=2000))
+    claimed = claim_one(short)
+    claimed_ms = short.server_time_ms()
+    # An extend in the claim's own millisecond would not move the deadline: wait for the clock to move.
+    assert wait_for(lambda: short.server_time_ms() > claimed_ms + 5, timeout=5)
+    assert short.extend([claimed.delivery]) == [Reply.OK]  # the lease keeper's extend
+    run(demo_tasks.effect, published.key, label, claimed, first)
+    assert wait_for(lambda: queue.stats().expired_leases == 1, timeout=10), queue.stats()
+    again = claim_one(short)  # the claim reclaims the expired lease first (with the lease it was given)
+    assert again.delivery.message_id == published.message_id and again.delivery.deliveries == 2
+    run(demo_tasks.effect, published.key, label, again, second)
+    queue.ack([again.delivery])
+    return published
+
+
+def stale_commit_refused(queue: FencedQueue, label: str) -> Published:
+    """``effect(label)``: delivery 1 (worker paused mid-run) lost its lease; delivery 2 took the key and
+    committed; delivery 1 woke up and its commit was refused (stale token)."""
+    published = publish(demo_tasks.effect, label)
+    (first,) = claim_expired(queue, 1)
+    claim = ledger.claim(
+        published.key,
+        delivery_of(demo_tasks.effect, first, "w1@paused"),
+        args=[label],
+        kwargs={},
+        lease_seconds=1,
+    )
+    second = claim_one(queue)
+    run(demo_tasks.effect, published.key, label, second, "w2@test")
+    queue.ack([second.delivery])
+    with pytest.raises(DeliveryRefused) as refused:
+        ledger.commit(claim, lambda: demo_tasks.record_effect(label))
+    ledger.record_refusal(claim, refused.value)
+    return published
+
+
+def celery_retried(queue: FencedQueue, label: str) -> Published:
+    """``flaky(label)`` whose first attempt failed and scheduled Celery retry 1, which succeeded."""
+    published = publish(demo_tasks.flaky, label, 1)
+    claimed = claim_one(queue)
+    claim = ledger.claim(
+        published.key, delivery_of(demo_tasks.flaky, claimed), args=[label, 1], kwargs={}, lease_seconds=30
+    )
+    ledger.record_failure(claim, ValueError(f"{label}: flaky failure 1"), retrying=True)
+    demo_tasks.flaky.app.send_task(
+        demo_tasks.flaky.name, args=[label, 1], task_id=published.task_id, retries=1
+    )
+    queue.ack([claimed.delivery])
+    retry = claim_one(queue)
+    assert retry.delivery.message_id == f"{published.task_id}.1"
+    execute(
+        demo_tasks.flaky,
+        published.key,
+        lambda: demo_tasks.record_effect(label, 1),
+        (label, 1),
+        {},
+        delivery_of(demo_tasks.flaky, retry),
+    )
+    queue.ack([retry.delivery])
+    return published
+
+
+def run(task, key: str, label: str, claimed: Claimed, worker: str) -> None:
+    """Run one claimed delivery of ``effect(label)`` through the commit rule (no ack)."""
+    execute(
+        task, key, lambda: demo_tasks.record_effect(label), (label,), {}, delivery_of(task, claimed, worker)
+    )
+
+
+def deferred_database_unavailable(queue: FencedQueue, label: str) -> Published:
+    """``effect(label)`` whose first worker could not reach the database: it gave the delivery back
+    (``queueapp.broker.defer``, as ``execution._database_unavailable`` does) and wrote no row; the
+    second delivery ran."""
+    published = publish(demo_tasks.effect, label)
+    claimed = claim_one(queue)
+    delivery = delivery_of(demo_tasks.effect, claimed, "w1@db-down")
+    deferral = broker.defer(
+        demo_tasks.effect.app,
+        delivery,
+        token_floor=claimed.delivery.token + 1,
+        delay=0,
+        counted=True,
+        reason="database unavailable",
+    )
+    assert deferral is broker.Deferral.DEFERRED
+    again = claim_one(queue)
+    run(demo_tasks.effect, published.key, label, again, "w2@test")
+    queue.ack([again.delivery])
+    return published

@@ -5,22 +5,16 @@ with the system binary: ``playwright install`` is never needed. The admin is
 served by pytest-django's ``live_server``; a real ``celery -A settings
 worker`` runs the requeued task on the test's private Redis and database.
 
-``UPDATE_SCREENSHOTS=1`` writes a screenshot of each admin page to
-``docs/admin-<page>.png`` (docs/operations.md shows them); otherwise they go to the
-test's temporary directory, so a normal run never rewrites tracked files.
+The ``page`` and ``screenshot`` fixtures are in ``conftest.py`` (every browser
+test file of the admin uses them).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from django.urls import reverse
 
-from lab.processes import REPO, wait_for
+from lab.processes import wait_for
 from queueapp.models import TaskOutcome
 from tests.queueapp import demo_tasks, scenarios
 
@@ -31,65 +25,9 @@ pytestmark = [
     pytest.mark.timeout(240),
 ]
 
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def chromium_binary() -> str | None:
-    for candidate in ("chromium", "chromium-browser"):
-        found = shutil.which(candidate)
-        if found:
-            return found
-    return "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
-
-
-@pytest.fixture
-def page(tmp_path, monkeypatch) -> Iterator:
-    """A page of a fresh headless Chromium profile; skips when Chromium or Playwright is missing."""
-    binary = chromium_binary()
-    if binary is None:
-        pytest.skip("Chromium is not installed: bin/bootstrap installs it with apt-get when run as root")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    # Playwright's sync API runs an event loop in this thread; the ORM calls in between are plain sync code.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    with sync_api.sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=binary,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1680, "height": 1000},
-        )
-        context.set_default_timeout(30_000)
-        try:
-            yield context.new_page()
-        finally:
-            context.close()
-
-
-@pytest.fixture
-def screenshot(page, tmp_path):
-    """Save a full-page screenshot as ``admin-<name>.png``: in ``docs/`` only with UPDATE_SCREENSHOTS=1."""
-    folder = REPO / "docs" if os.environ.get("UPDATE_SCREENSHOTS") == "1" else tmp_path
-
-    def take(name: str) -> Path:
-        path = Path(folder) / f"admin-{name}.png"
-        page.screenshot(path=str(path), full_page=True)
-        return path
-
-    return take
-
 
 def test_an_operator_requeues_a_dead_lettered_task_from_the_stuck_page_and_sees_it_run(
-    page, screenshot, live_server, admin_user, queue, effects, start_worker
+    page, screenshot, live_server, admin_user, queue, effects, start_worker, settings
 ):
     # A morning's worth of outcomes: done, duplicated, failed, stuck, dead-lettered, waiting elsewhere.
     for n in (1001, 1002):
@@ -116,12 +54,15 @@ def test_an_operator_requeues_a_dead_lettered_task_from_the_stuck_page_and_sees_
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_change', args=[stuck.outcome().pk])}")
     page.wait_for_selector("pre.qa-raw-message")
     assert "lease expired" in page.content()
-    screenshot("detail")
+    # The detail and Duplicates screenshots show a duplicated key: test_browser_diagnosis.py takes them.
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_duplicates')}")
     assert page.locator("#duplicate-keys").get_by_text(charge).count() == 1
-    screenshot("duplicates")
+    settings.QUEUEAPP = {"QUEUE_STATS_CACHE_TIMEOUT": 0}  # each load a fresh snapshot: rates from the second
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_queues')}")
+    demo_tasks.effect.apply_async(("export:pdf",), queue="reports")
+    page.reload()
     assert page.locator("#queues").get_by_text("reports").count() == 1
+    assert "per second over the last" in page.inner_text("#rate-window")
     screenshot("queues")
 
     page.goto(f"{live_server.url}{reverse('admin:queueapp_taskoutcome_changelist')}")

@@ -68,8 +68,8 @@ def test_requeue_by_task_and_task_id(queue, effects):
     failed = scenarios.failed(queue, "declined")
     out, _ = run("requeue", "--task", demo_tasks.effect.name, "--task-id", failed.task_id, "--dry-run")
     assert failed.key in out and "1 would be requeued" in out
-    out, _ = run("requeue", "--task", "no.such.task", "--dry-run")
-    assert "0 would be requeued" in out
+    with pytest.raises(CommandError, match=r"unknown task 'no\.such\.task'"):  # see test_command_errors.py
+        run("requeue", "--task", "no.such.task", "--dry-run")
 
 
 def test_requeue_refuses_to_guess_what_to_requeue():
@@ -95,7 +95,7 @@ def test_requeue_fails_clearly_when_the_broker_is_down(queue, effects):
     failed = scenarios.failed(queue, "declined")
     reset_connections(app)
     app.conf.broker_url = f"fenced://127.0.0.1:{free_port()}/0"
-    with pytest.raises(CommandError, match="nothing requeued: broker unreachable"):
+    with pytest.raises(CommandError, match=r"nothing requeued: Redis at 127\.0\.0\.1:\d+ unreachable since"):
         run("requeue", "--key", failed.key)
     assert failed.outcome().status == Status.FAILED
 

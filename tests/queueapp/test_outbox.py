@@ -7,11 +7,13 @@ import json
 
 import pytest
 from django.core.management import call_command
-from django.db import transaction
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from broker_ext.queue import FencedQueue
 from queueapp import enqueue_on_commit, relay_outbox
 from queueapp.models import OutboxMessage, TaskOutcome
+from queueapp.outbox import RECORDED_HEADER
 from tests.helpers import reset_connections
 from tests.queueapp import demo_tasks
 
@@ -27,6 +29,20 @@ def test_nothing_is_published_before_the_transaction_commits(queue):
     row = OutboxMessage.objects.get(task_id=task_id)
     assert (row.status, row.idempotency_key, row.relay_attempts) == ("sent", "charge:5", 1)
     assert TaskOutcome.objects.get(idempotency_key="charge:5").status == TaskOutcome.Status.QUEUED
+
+
+def test_the_relay_does_not_record_the_key_as_queued_a_second_time(queue):
+    """The caller's transaction wrote the queued row; the relayed publish writes no outcome row again."""
+    with CaptureQueriesContext(connection) as queries:
+        with transaction.atomic():
+            enqueue_on_commit(demo_tasks.charge, 7, 10)
+        assert queue.stats().ready == 1
+    inserts = [q["sql"] for q in queries.captured_queries if q["sql"].upper().startswith("INSERT")]
+    outcome_inserts = [sql for sql in inserts if TaskOutcome._meta.db_table in sql]
+    assert len(outcome_inserts) == 1, inserts
+    (claimed,) = queue.claim(1)
+    assert RECORDED_HEADER.encode() not in claimed.payload  # dropped at publish: it does not travel
+    assert TaskOutcome.objects.get(idempotency_key="charge:7").status == TaskOutcome.Status.QUEUED
 
 
 def test_a_rolled_back_transaction_publishes_nothing(queue):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 from celery import current_app
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 from rich.console import Console
 from rich.table import Table
 
 from queueapp.errors import BrokerUnavailable
+from queueapp.management.names import broker_error, check_queues
 from queueapp.ops.queues import queue_stats
 
 #: Counters shown as columns (all of them are in the JSON).
@@ -31,10 +32,12 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
 
     def handle(self, *args, queue: list[str], as_json: bool, **options) -> None:
+        app = current_app._get_current_object()
+        check_queues(app, queue)
         try:
-            stats = queue_stats(current_app._get_current_object(), queue or None)
+            stats = queue_stats(app, queue or None)
         except BrokerUnavailable as exc:
-            raise CommandError(str(exc)) from exc
+            raise broker_error(exc) from exc
         if as_json:
             self.stdout.write(json.dumps([entry.as_dict() for entry in stats]))
             return

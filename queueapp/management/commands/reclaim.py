@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from celery import current_app
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 
 from queueapp.errors import BrokerUnavailable
+from queueapp.management.names import broker_error, check_queues
 from queueapp.ops.queues import reclaim
 
 
@@ -24,10 +25,12 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
 
     def handle(self, *args, queue: list[str], dry_run: bool, as_json: bool, **options) -> None:
+        app = current_app._get_current_object()
+        check_queues(app, queue)
         try:
-            reports = reclaim(current_app._get_current_object(), queue or None, dry_run=dry_run)
+            reports = reclaim(app, queue or None, dry_run=dry_run)
         except BrokerUnavailable as exc:
-            raise CommandError(str(exc)) from exc
+            raise broker_error(exc) from exc
         if as_json:
             self.stdout.write(json.dumps([report.as_dict() for report in reports]))
             return

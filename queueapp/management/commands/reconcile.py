@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 from celery import current_app
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 
 from queueapp.dead_letters import reconcile
 from queueapp.errors import BrokerUnavailable
+from queueapp.management.names import broker_error
 
 
 class Command(BaseCommand):
@@ -26,7 +27,7 @@ class Command(BaseCommand):
         try:
             report = reconcile(current_app, limit=limit)
         except BrokerUnavailable as exc:
-            raise CommandError(str(exc)) from exc
+            raise broker_error(exc) from exc
         if as_json:
             self.stdout.write(json.dumps(report.as_dict()))
             return

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import time
 
-from django.core.management.base import BaseCommand
+from celery import current_app
+from django.core.management.base import BaseCommand, CommandError
 
 from queueapp import conf
+from queueapp.errors import BrokerUnavailable
+from queueapp.management.names import broker_error
+from queueapp.ops.connection import ops_channel
 from queueapp.outbox import pending, relay_outbox
 
 
@@ -35,6 +39,9 @@ class Command(BaseCommand):
         passes = sent = failed = 0
         try:
             while True:
+                if not self.broker_answers(loop):
+                    time.sleep(interval)
+                    continue
                 report = relay_outbox(limit=batch)
                 passes += 1
                 sent += len(report.sent)
@@ -51,6 +58,23 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps({"passes": passes, "sent": sent, "failed": failed}))
         else:
             self.stdout.write(self.style.SUCCESS(f"{sent} published, {failed} failed"))
+        if failed:
+            raise CommandError(f"{failed} outbox rows not published: left pending, retried with a back-off")
+
+    def broker_answers(self, loop: bool) -> bool:
+        """Ask Redis once, bounded by OPS_BROKER_TIMEOUT, before a pass: a hung Redis is said, not waited on.
+
+        A single run stops with the error; ``--loop`` says it on stderr and tries again next interval.
+        """
+        try:
+            with ops_channel(current_app._get_current_object()) as channel:
+                channel.fenced_client.ping()
+        except BrokerUnavailable as exc:
+            if not loop:
+                raise broker_error(exc, "nothing published: ") from exc
+            self.stderr.write(str(broker_error(exc, "nothing published this pass: ")))
+            return False
+        return True
 
     def list_due(self, rows: list, as_json: bool) -> None:
         if as_json:

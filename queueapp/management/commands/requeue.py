@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -13,14 +14,27 @@ from django.core.management.base import BaseCommand, CommandError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from queueapp.broker import fenced_channel
 from queueapp.errors import BrokerUnavailable
+from queueapp.management.commands.diagnose import write_diagnosis
+from queueapp.management.names import broker_error, check_keys, check_queues, check_task
 from queueapp.ops import actions
+from queueapp.ops.connection import ops_channel
+from queueapp.ops.diagnosis import diagnose_outcomes
 from queueapp.ops.queues import known_queues
 from queueapp.ops.selection import STATUS_CHOICES, parse_duration, select_outcomes
 
 #: Runs of at least this many keys or messages show a progress bar (on stderr).
 PROGRESS_THRESHOLD = 20
+#: Where the actions record a command's changes as made from.
+VIA = "manage.py requeue"
+
+
+def operator() -> str:
+    """The OS user running the command (recorded with each change, as the admin records its user)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return ""
 
 
 class Command(BaseCommand):
@@ -59,6 +73,9 @@ class Command(BaseCommand):
             raise CommandError(
                 "say what to requeue: --key, --task-id, --task, --status, --older-than, --queue"
             )
+        check_keys(options["key"])
+        check_task(app, options["task"])
+        check_queues(app, [options["queue"]] if options["queue"] else [])
         try:
             if options["dead_lettered"]:
                 results = self._dead_lettered(app, options["queue"], options["dry_run"])
@@ -74,19 +91,32 @@ class Command(BaseCommand):
                     )
                 )
                 with self._progress(len(outcomes), "requeueing") as tick:
-                    results = actions.requeue(app, outcomes, dry_run=options["dry_run"], progress=tick)
+                    results = actions.requeue(
+                        app,
+                        outcomes,
+                        dry_run=options["dry_run"],
+                        progress=tick,
+                        actor=operator(),
+                        via=VIA,
+                    )
         except BrokerUnavailable as exc:
-            raise CommandError(f"nothing requeued: {exc}") from exc
-        self._report(results, dry_run=options["dry_run"], as_json=options["as_json"])
+            raise broker_error(exc, "nothing requeued: ") from exc
+        diagnoses = []
+        if options["dry_run"] and options["key"]:
+            # A dry run for given keys also says why each was delivered more than once (manage.py diagnose).
+            diagnoses = list(diagnose_outcomes(app, outcomes).values())
+        self._report(results, dry_run=options["dry_run"], as_json=options["as_json"], diagnoses=diagnoses)
 
     def _dead_lettered(self, app, queue: str | None, dry_run: bool) -> list[actions.ActionResult]:
-        with fenced_channel(app) as channel:
+        with ops_channel(app) as channel:
             names = [queue] if queue else known_queues(app, channel)
             total = sum(channel.fenced_queue(name).stats().dead for name in names)
         results = []
         with self._progress(total, "requeueing dead letters") as tick:
             for name in names:
-                results += actions.requeue_dead_letters(app, name, dry_run=dry_run, progress=tick)
+                results += actions.requeue_dead_letters(
+                    app, name, dry_run=dry_run, progress=tick, actor=operator(), via=VIA
+                )
         return results
 
     @contextmanager
@@ -100,12 +130,19 @@ class Command(BaseCommand):
             task = progress.add_task(label, total=total)
             yield lambda: progress.advance(task)
 
-    def _report(self, results: list[actions.ActionResult], *, dry_run: bool, as_json: bool) -> None:
+    def _report(
+        self, results: list[actions.ActionResult], *, dry_run: bool, as_json: bool, diagnoses=()
+    ) -> None:
         counts = Counter(result.verdict for result in results)
         if as_json:
             summary = {"dry_run": dry_run, **{v: counts[v] for v in ("done", "planned", "skipped", "failed")}}
-            self.stdout.write(json.dumps({"summary": summary, "results": [r.as_dict() for r in results]}))
+            document = {"summary": summary, "results": [r.as_dict() for r in results]}
+            if diagnoses:
+                document["diagnosis"] = [d.as_dict() for d in diagnoses]
+            self.stdout.write(json.dumps(document))
         else:
+            for diagnosis in diagnoses:
+                write_diagnosis(self.stdout, diagnosis)
             for result in results:
                 label = result.key or f"{result.queue}/{result.message_id}"
                 verdict = {"planned": f"would {result.step.value}", "done": "requeued"}.get(

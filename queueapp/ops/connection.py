@@ -1,0 +1,166 @@
+"""The operator tools' connection to the fenced broker: bounded in time, and honest about an outage.
+
+The admin and the management commands are opened when Redis misbehaves, so
+their reads must never hang and never turn an outage into an HTTP 500:
+
+* every operator read goes through :func:`ops_channel`, a connection of its own
+  (not the app's pool, whose sockets may be stuck on a paused Redis) with
+  ``socket_timeout`` and ``socket_connect_timeout`` of ``OPS_BROKER_TIMEOUT``
+  and no command retries, so a stopped or paused Redis answers in about that
+  long;
+* an error of Redis on the open connection (a reset, a timeout mid-page) is a
+  :class:`~queueapp.errors.BrokerUnavailable` like one at connect time;
+* the first failure is remembered per broker address: for ``2 *
+  OPS_BROKER_TIMEOUT`` after a failed attempt the next reads fail at once
+  (a page with five broker columns waits once, not five times), and the
+  message says since when the broker has been unreachable.
+
+Workers do not use this: their deferrals keep retrying through the app's pool
+(:func:`queueapp.broker.fenced_channel`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import redis.exceptions
+from kombu.exceptions import OperationalError
+
+from queueapp import conf
+from queueapp.errors import BrokerUnavailable
+
+#: What a lost, refused or hung Redis raises on an open connection or while connecting.
+BROKER_ERRORS = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.RedisClusterException,
+    OperationalError,
+    OSError,
+)
+
+
+@dataclass
+class Outage:
+    """An operator tool could not reach the broker at ``address`` since ``since`` (UTC)."""
+
+    address: str
+    since: datetime
+    reason: str
+    last_attempt: float  # time.monotonic() of the latest failed attempt
+    timeout: float | None = None  # seconds Redis did not answer in, when it hung (not refused)
+
+    def error(self) -> BrokerUnavailable:
+        return BrokerUnavailable(
+            f"Redis at {self.address} unreachable since {self.since:%Y-%m-%d %H:%M:%S} UTC ({self.reason})",
+            address=self.address,
+            since=self.since,
+            timeout=self.timeout,
+        )
+
+
+_outages: dict[str, Outage] = {}
+_outages_lock = threading.Lock()
+
+
+def broker_timeout() -> float:
+    """Seconds an operator read waits for Redis (``QUEUEAPP["OPS_BROKER_TIMEOUT"]``)."""
+    return float(conf.get("OPS_BROKER_TIMEOUT"))
+
+
+def broker_address(connection) -> str:
+    """``host:port`` of a Kombu connection (no credentials), for messages an operator reads."""
+    return f"{connection.hostname or '127.0.0.1'}:{connection.port or 6379}"
+
+
+def current_outage(address: str) -> Outage | None:
+    """The outage remembered for ``address``, if its latest failed attempt is recent enough to trust."""
+    with _outages_lock:
+        outage = _outages.get(address)
+    if outage is None or time.monotonic() - outage.last_attempt > 2 * broker_timeout():
+        return None
+    return outage
+
+
+def _remember_failure(address: str, exc: BaseException) -> Outage:
+    reason = _describe(exc)
+    timeout = broker_timeout() if _timed_out(exc) else None
+    with _outages_lock:
+        outage = _outages.get(address)
+        if outage is None:
+            outage = _outages[address] = Outage(address, datetime.now(UTC), reason, time.monotonic(), timeout)
+        else:
+            outage.reason, outage.last_attempt, outage.timeout = reason, time.monotonic(), timeout
+    return outage
+
+
+def _forget_failure(address: str) -> None:
+    with _outages_lock:
+        _outages.pop(address, None)
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether Redis hung (accepted, then said nothing in time) rather than refused: Kombu wraps the cause."""
+    seen = 0
+    while exc is not None and seen < 5:
+        text = str(exc).lower()
+        if (
+            isinstance(exc, redis.exceptions.TimeoutError | TimeoutError)
+            or "timed out" in text
+            or "timeout" in text
+        ):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    if _timed_out(exc):
+        return f"did not answer in {broker_timeout():g} s"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _connect(app, timeout: float):
+    options = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "command_retries": 0}
+    connection = app.connection_for_read(connect_timeout=timeout, transport_options=options)
+    return connection
+
+
+@contextmanager
+def ops_channel(app) -> Iterator:
+    """A fenced channel of ``app``'s broker for one operator read or action, bounded in time.
+
+    Raises :class:`~queueapp.errors.BrokerUnavailable` when the broker cannot
+    be reached, stops answering inside the ``with`` block, or is not
+    ``fenced://``; nothing else is translated.
+    """
+    timeout = broker_timeout()
+    connection = _connect(app, timeout)
+    address = broker_address(connection)
+    try:
+        outage = current_outage(address)
+        if outage is not None:
+            raise outage.error()
+        try:
+            connection.ensure_connection(max_retries=0, timeout=timeout)
+            channel = connection.default_channel
+        except BROKER_ERRORS as exc:
+            raise _remember_failure(address, exc).error() from exc
+        if not hasattr(channel, "fenced_queue"):
+            raise BrokerUnavailable(
+                f"the broker transport is {connection.transport_cls!r}, not fenced://: "
+                "there is no lease, dead-letter set or queue snapshot to read",
+                address=address,
+            )
+        try:
+            yield channel
+        except BROKER_ERRORS as exc:
+            raise _remember_failure(address, exc).error() from exc
+        _forget_failure(address)
+    finally:
+        connection.release()
