@@ -275,7 +275,7 @@ _OUTCOME_COLUMNS = (
 )  # fmt: skip
 _DELIVERY_COLUMNS = (
     "id", "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
-    "worker", "task_id", "message_id", "queue", "started_at", "finished_at",
+    "worker", "task_id", "message_id", "queue", "started_at", "finished_at", "lease_deadline",
 )  # fmt: skip
 
 
@@ -322,6 +322,7 @@ def _claim_common(
         {o["kwargs"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["kwargs"]} END
     """
     stamp = ops.adapt_datetimefield_value(now)
+    lease_deadline = ops.adapt_datetimefield_value(now + timedelta(seconds=lease_seconds))
     assignment_params = [
         *token_params,
         delivery.retries,
@@ -333,7 +334,7 @@ def _claim_common(
         queue,
         stamp,
         stamp,
-        ops.adapt_datetimefield_value(now + timedelta(seconds=lease_seconds)),
+        lease_deadline,
         stamp,
         empty_args,
         empty_kwargs,
@@ -351,7 +352,7 @@ def _claim_common(
         d[name]
         for name in (
             "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
-            "worker", "task_id", "message_id", "queue", "started_at",
+            "worker", "task_id", "message_id", "queue", "started_at", "lease_deadline",
         )
     )  # fmt: skip
     log_params = [
@@ -365,7 +366,9 @@ def _claim_common(
         delivery.message_id[:255],
         queue,
         stamp,
+        lease_deadline,
     ]
+    log_values = ", ".join(["%s"] * len(log_params))
     returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
     if connection.vendor == "postgresql":
         own_transaction = not connection.in_atomic_block
@@ -377,7 +380,7 @@ def _claim_common(
                 RETURNING {returning}
             ), logged AS (
                 INSERT INTO {d["table"]} ({log_columns})
-                SELECT claimed.{o["id"]}, claimed.{o["fence_token"]}, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s
+                SELECT claimed.{o["id"]}, claimed.{o["fence_token"]}, {log_values}
                 FROM claimed RETURNING {d["id"]}
             )
             SELECT claimed.*, logged.{d["id"]} FROM claimed, logged
@@ -400,7 +403,7 @@ def _claim_common(
                 return None
             outcome_id, attempts, token = row
             cursor.execute(
-                f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {', '.join(['%s'] * 10)})",
+                f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})",
                 [outcome_id, token, *log_params],
             )
             log_id = cursor.lastrowid

@@ -70,6 +70,7 @@ def test_the_common_path_is_one_claim_statement_and_one_synchronous_commit(effec
         1,
         TaskDelivery.TokenSource.BROKER,
     )
+    assert log.lease_deadline == outcome.delivery_log.get().lease_deadline is not None
     assert [row[0] for row in effects()] == ["x"]
 
 
