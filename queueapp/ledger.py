@@ -299,6 +299,8 @@ def _claim_common(
     """
     db = _db()
     connection = connections[db]
+    if connection.vendor not in ("postgresql", "sqlite"):  # No UPDATE ... RETURNING to rely on.
+        return None
     ops = connection.ops
     now = timezone.now()
     o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
