@@ -30,3 +30,21 @@ class Effect(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run}/{self.label}"
+
+
+class ProcessedKey(models.Model):
+    """A key a hand-written idempotent task has processed (``lab.noop_idempotent``, the bench's anchor).
+
+    What a Django team writes without a framework: in the task's transaction,
+    insert the key, and skip the work if it was already there.
+    """
+
+    key = models.CharField(_("key"), max_length=255, primary_key=True)
+    processed_at = models.DateTimeField(_("processed at"), default=timezone.now)
+
+    class Meta:
+        verbose_name = _("processed key")
+        verbose_name_plural = _("processed keys")
+
+    def __str__(self) -> str:
+        return self.key

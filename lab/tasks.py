@@ -4,7 +4,8 @@
 :class:`~lab.models.Effect` row written in its transaction; ``stock_effect``
 writes the same row with no decorator, as a plain Celery task on the stock
 transport would. ``noop`` and ``noop_exactly_once`` measure the cost of the
-machinery itself.
+machinery itself; ``noop_idempotent`` is the yardstick for the latter, the
+idempotent task a Django team would write by hand.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import os
 import time
 
 from celery import Task, shared_task
+from django.db import connection, transaction
+from django.utils import timezone
 
-from lab.models import Effect
+from lab.bench import querylog
+from lab.models import Effect, ProcessedKey
 from queueapp import current_delivery, exactly_once
 
 
@@ -70,3 +74,27 @@ def noop(n: int = 0) -> int:
 def noop_exactly_once(n: int = 0) -> int:
     """Does nothing under the commit rule: the cost of the idempotency record."""
     return n
+
+
+@shared_task(bind=True, name="lab.noop_idempotent")
+def noop_idempotent(self, n: int = 0) -> int | None:
+    """Does nothing, once per task id, the hand-written way: the anchor of the exactly-once bench.
+
+    In one transaction: ``INSERT ... ON CONFLICT DO NOTHING`` of the key into
+    :class:`~lab.models.ProcessedKey`, return if no row was inserted (the key
+    was there), else do the work. One statement and one commit; no fencing, so
+    an older delivery still running when the key is taken over is not refused.
+    """
+    quote = connection.ops.quote_name
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {quote(ProcessedKey._meta.db_table)} ({quote('key')}, {quote('processed_at')}) "
+            "VALUES (%s, %s) ON CONFLICT DO NOTHING",
+            [self.request.id, connection.ops.adapt_datetimefield_value(timezone.now())],
+        )
+        if cursor.rowcount != 1:
+            return None  # Already processed.
+        return n
+
+
+querylog.install_from_environment()

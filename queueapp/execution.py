@@ -97,8 +97,21 @@ def execute(
         raise Reject(detail, requeue=True) from exc
 
 
+def first_of_its_own(key: str, delivery: DeliveryInfo) -> bool:
+    """A fenced first delivery whose key is its own task id: the cache can do nothing for it.
+
+    Its key can only have succeeded if the same task id was published twice
+    (the claim then suppresses it from the database), so it skips the cache
+    lookup, and its success is not cached at commit: only another delivery of
+    the same message could ask, and the first one that does is answered by the
+    database, which caches the success for the next (see :func:`_execute`).
+    """
+    return delivery.fenced and delivery.delivery_count == 1 and key == delivery.task_id
+
+
 def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, delivery: DeliveryInfo):
-    cached = cache.succeeded(key)
+    uncached = first_of_its_own(key, delivery)
+    cached = None if uncached else cache.succeeded(key)
     if cached is not None:
         _audit_cached_duplicate(task, key, delivery)
         return cached.result
@@ -116,7 +129,7 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
         return None
     if isinstance(decision, ledger.Outranked):
         return _outranked(task, key, delivery, decision)
-    return _run_claimed(task, decision, body, delivery)
+    return _run_claimed(task, decision, body, delivery, cache_success=not uncached)
 
 
 def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
@@ -128,7 +141,9 @@ def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
             logger.warning("could not log the cached duplicate of %s: %r", key, exc)
 
 
-def _run_claimed(task, claim: ledger.Claim, body: Callable[[], Any], delivery: DeliveryInfo) -> Any:
+def _run_claimed(
+    task, claim: ledger.Claim, body: Callable[[], Any], delivery: DeliveryInfo, *, cache_success: bool = True
+) -> Any:
     """Run the body of a claimed delivery and commit; every way out leaves a verdict or gives it back."""
     context = ExactlyOnceContext(
         key=claim.key,
@@ -140,7 +155,7 @@ def _run_claimed(task, claim: ledger.Claim, body: Callable[[], Any], delivery: D
     )
     reset = activate(context)
     try:
-        return ledger.commit(claim, body)
+        return ledger.commit(claim, body, cache_success=cache_success, just_claimed=True)
     except DeliveryRefused as refusal:
         logger.warning(
             "delivery of %s [%s] refused, nothing committed: %s", task.name, claim.key, refusal.detail

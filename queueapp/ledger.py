@@ -25,10 +25,11 @@ tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import traceback as tb
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -121,6 +122,11 @@ def ensure_queued(
 
     One ``INSERT ... ON CONFLICT DO NOTHING`` (SQLite: ``INSERT OR IGNORE``), not
     a read then a write in a transaction of its own: the publish pays one statement.
+    Outside a caller's transaction its commit does not wait for its own flush
+    (PostgreSQL: ``set_config('synchronous_commit', 'off', true)`` in the same
+    statement; SQLite: :func:`_without_own_sync`): the record is for ops to see
+    what is queued, the next synchronous commit makes it durable, and if a
+    database crash loses it before that, the worker's claim creates the row.
     """
     now = timezone.now()
     row = TaskOutcome(
@@ -134,7 +140,27 @@ def ensure_queued(
         queued_at=now,
         updated_at=now,
     )
-    TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
+    connection = connections[_db()]
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        _insert_without_own_flush(connection, row)
+        return
+    with _without_own_sync(_db()):
+        TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
+
+
+def _insert_without_own_flush(connection, row: TaskOutcome) -> None:
+    """``INSERT ... ON CONFLICT DO NOTHING`` of ``row``: one autocommit statement, an asynchronous commit."""
+    quote = connection.ops.quote_name
+    fields = [field for field in TaskOutcome._meta.concrete_fields if not field.primary_key]
+    values = [field.get_db_prep_save(getattr(row, field.attname), connection) for field in fields]
+    key = quote(TaskOutcome._meta.get_field("idempotency_key").column)
+    sql = (
+        "WITH flush AS (SELECT set_config('synchronous_commit', 'off', true)) "
+        f"INSERT INTO {quote(TaskOutcome._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+        f"SELECT {', '.join(['%s'] * len(fields))} FROM flush ON CONFLICT ({key}) DO NOTHING"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)
 
 
 def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:
@@ -156,10 +182,18 @@ def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: da
 def claim(
     key: str, delivery: DeliveryInfo, *, args: list, kwargs: dict, lease_seconds: float
 ) -> Claim | Suppressed | Outranked:
-    """Step 1: decide under the row lock whether this delivery may run, and mark it running if so."""
+    """Step 1: decide under the row lock whether this delivery may run, and mark it running if so.
+
+    The common case (the row exists, nothing stands in the way) is one
+    conditional ``UPDATE`` (:func:`_claim_common`); whatever it does not match
+    is decided here, under ``SELECT ... FOR UPDATE``, as before.
+    """
+    claimed = _claim_common(key, delivery, args=args, kwargs=kwargs, lease_seconds=lease_seconds)
+    if claimed is not None:
+        return claimed
     now = timezone.now()
     db = _db()
-    with transaction.atomic(using=db):
+    with _without_own_sync(db), transaction.atomic(using=db):
         _without_own_flush(db)
         outcome, _ = (
             TaskOutcome.objects.using(db)
@@ -227,6 +261,193 @@ def claim(
     return Claim(key, outcome.pk, token, source, log.pk, outcome.attempts)
 
 
+def _quoted(model, *names: str) -> dict[str, str]:
+    """The quoted table (``"table"``) and column names of ``model``'s fields, for hand-written SQL."""
+    quote = connections[_db()].ops.quote_name
+    columns = {name: quote(model._meta.get_field(name).column) for name in names}
+    return {"table": quote(model._meta.db_table), **columns}
+
+
+_OUTCOME_COLUMNS = (
+    "id", "idempotency_key", "status", "fence_token", "retries", "attempts", "deliveries", "worker",
+    "task_id", "message_id", "queue", "first_started_at", "last_started_at", "finished_at",
+    "lease_deadline", "updated_at", "args", "kwargs", "result", "error", "traceback",
+)  # fmt: skip
+_DELIVERY_COLUMNS = (
+    "id", "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
+    "worker", "task_id", "message_id", "queue", "started_at", "finished_at", "lease_deadline",
+)  # fmt: skip
+
+
+def _claim_common(
+    key: str, delivery: DeliveryInfo, *, args: list, kwargs: dict, lease_seconds: float
+) -> Claim | None:
+    """The common claim in one conditional ``UPDATE``: a :class:`Claim`, or ``None`` to decide under the lock.
+
+    It matches only a row that :func:`claim`'s locked path would mark running
+    with the same token: not succeeded or dead, not a superseded attempt
+    (same task id, older retry, chain in progress), and, for a fenced delivery,
+    a token above the stored one (the stored token plus one without a broker
+    token). The ``UPDATE`` takes the row lock and, on PostgreSQL, re-checks its
+    condition on the row as committed by a concurrent claim (SQLite: the
+    ``IMMEDIATE`` transaction holds the write lock), so two claims still
+    serialise on the row. The delivery's log row is inserted in the same
+    transaction: on PostgreSQL in the same statement, which, outside a
+    caller's transaction, is the whole transaction and commits without its
+    own WAL flush (``set_config('synchronous_commit', 'off', true)``, the
+    argument of :func:`_without_own_flush`).
+    """
+    db = _db()
+    connection = connections[db]
+    if connection.vendor not in ("postgresql", "sqlite"):  # No UPDATE ... RETURNING to rely on.
+        return None
+    ops = connection.ops
+    now = timezone.now()
+    o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
+    d = _quoted(TaskDelivery, *_DELIVERY_COLUMNS)
+    running = [Status.QUEUED, Status.RUNNING, Status.FAILED]
+    in_progress = [Status.QUEUED, Status.RUNNING]
+    task_id, queue = delivery.task_id[:255], delivery.queue[:255]
+    if delivery.fenced:  # The broker's token, if above the stored one.
+        token_sql, token_condition, token_params = "%s", f"AND {o['fence_token']} < %s", [delivery.token]
+    else:  # The database's counter.
+        token_sql, token_condition, token_params = f"{o['fence_token']} + 1", "", []
+    empty_args, empty_kwargs = ops.adapt_json_value([], None), ops.adapt_json_value({}, None)
+    assignments = f"""
+        {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = %s,
+        {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
+        {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
+        {o["queue"]} = CASE WHEN %s = '' THEN {o["queue"]} ELSE %s END,
+        {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
+        {o["finished_at"]} = NULL, {o["lease_deadline"]} = %s, {o["updated_at"]} = %s,
+        {o["args"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["args"]} END,
+        {o["kwargs"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["kwargs"]} END
+    """
+    stamp = ops.adapt_datetimefield_value(now)
+    lease_deadline = ops.adapt_datetimefield_value(now + timedelta(seconds=lease_seconds))
+    assignment_params = [
+        *token_params,
+        delivery.retries,
+        Status.RUNNING,
+        delivery.worker[:255],
+        task_id,
+        delivery.message_id[:255],
+        queue,
+        queue,
+        stamp,
+        stamp,
+        lease_deadline,
+        stamp,
+        empty_args,
+        empty_kwargs,
+        ops.adapt_json_value(list(args), DjangoJSONEncoder),
+        empty_args,
+        empty_kwargs,
+        ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder),
+    ]
+    conditions = f"""
+        {o["idempotency_key"]} = %s AND {o["status"]} IN (%s, %s, %s) {token_condition}
+        AND NOT ({o["task_id"]} = %s AND {o["status"]} IN (%s, %s) AND {o["retries"]} > %s)
+    """
+    condition_params = [key, *running, *token_params, task_id, *in_progress, delivery.retries]
+    log_columns = ", ".join(
+        d[name]
+        for name in (
+            "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
+            "worker", "task_id", "message_id", "queue", "started_at", "lease_deadline",
+        )
+    )  # fmt: skip
+    log_params = [
+        _source(delivery),
+        TaskDelivery.Verdict.STARTED,
+        "",
+        delivery.delivery_count,
+        delivery.retries,
+        delivery.worker[:255],
+        task_id,
+        delivery.message_id[:255],
+        queue,
+        stamp,
+        lease_deadline,
+    ]
+    log_values = ", ".join(["%s"] * len(log_params))
+    returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
+    if connection.vendor == "postgresql":
+        own_transaction = not connection.in_atomic_block
+        flush = "flush AS (SELECT set_config('synchronous_commit', 'off', true))," if own_transaction else ""
+        only_after_flush = "AND EXISTS (SELECT 1 FROM flush)" if own_transaction else ""
+        sql = f"""
+            WITH {flush} claimed AS (
+                UPDATE {o["table"]} SET {assignments} WHERE {conditions} {only_after_flush}
+                RETURNING {returning}
+            ), logged AS (
+                INSERT INTO {d["table"]} ({log_columns})
+                SELECT claimed.{o["id"]}, claimed.{o["fence_token"]}, {log_values}
+                FROM claimed RETURNING {d["id"]}
+            )
+            SELECT claimed.*, logged.{d["id"]} FROM claimed, logged
+        """
+        savepoint = transaction.atomic(using=db) if connection.in_atomic_block else contextlib.nullcontext()
+        with savepoint, connection.cursor() as cursor:
+            cursor.execute(sql, [*assignment_params, *condition_params, *log_params])
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        outcome_id, attempts, token, log_id = row
+    else:
+        with _without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {o['table']} SET {assignments} WHERE {conditions} RETURNING {returning}",
+                [*assignment_params, *condition_params],
+            )
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            outcome_id, attempts, token = row
+            cursor.execute(
+                f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})",
+                [outcome_id, token, *log_params],
+            )
+            log_id = cursor.lastrowid
+    return Claim(key, outcome_id, token, _source(delivery), log_id, attempts)
+
+
+@contextlib.contextmanager
+def _without_own_sync(db: str) -> Iterator[None]:
+    """SQLite's :func:`_without_own_flush`: the claim's commit is written to the WAL but not fsynced.
+
+    In WAL mode, ``PRAGMA synchronous = NORMAL`` appends the commit to the WAL
+    file without an fsync; the next commit at FULL (the success) fsyncs the WAL
+    and with it every frame before it, the claim's included, so the argument of
+    :func:`_without_own_flush` holds: a claim can be lost only by a crash of
+    the machine, and then no later commit that depends on it is durable
+    either. A process crash loses nothing (the frames are in the OS's cache).
+    The pragma cannot change inside a transaction: a claim inside a caller's
+    transaction is committed with it, at the caller's level.
+    """
+    connection = connections[db]
+    if connection.vendor != "sqlite" or connection.in_atomic_block:
+        yield
+        return
+    with connection.cursor() as cursor:
+        known = getattr(connection, "_queueapp_synchronous", None)
+        if known is None or known[0] is not connection.connection:  # Read once per connection.
+            cursor.execute("PRAGMA journal_mode")
+            wal = str(cursor.fetchone()[0]).lower() == "wal"
+            cursor.execute("PRAGMA synchronous")
+            known = (connection.connection, wal, int(cursor.fetchone()[0]))
+            connection._queueapp_synchronous = known
+        _, wal, previous = known
+        if wal:
+            cursor.execute("PRAGMA synchronous = NORMAL")
+    try:
+        yield
+    finally:
+        if wal:
+            with connection.cursor() as cursor:
+                cursor.execute(f"PRAGMA synchronous = {previous:d}")
+
+
 def _without_own_flush(db: str) -> None:
     """Let the claim's commit return before its WAL is flushed (PostgreSQL; inside the transaction).
 
@@ -239,7 +460,9 @@ def _without_own_flush(db: str) -> None:
     claims again. The claim is visible to other transactions at once, as any commit.
     """
     connection = connections[db]
-    if connection.vendor == "postgresql":
+    # Inside a caller's transaction the claim is a savepoint: SET LOCAL would last until the
+    # caller's commit and make it asynchronous too.
+    if connection.vendor == "postgresql" and not connection.savepoint_ids:
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL synchronous_commit = off")
 
@@ -257,40 +480,104 @@ def _refusal(claim: Claim, status: str, token: int) -> DeliveryRefused | None:
     return None
 
 
-def commit(claim: Claim, body: Callable[[], Any]) -> Any:
-    """Step 2: run ``body`` and commit its writes together with the success, or not at all."""
+def commit(
+    claim: Claim, body: Callable[[], Any], *, cache_success: bool = True, just_claimed: bool = False
+) -> Any:
+    """Step 2: run ``body`` and commit its writes together with the success, or not at all.
+
+    The body runs first, then the success is marked by an update conditional on
+    the claim's token (:func:`_mark_succeeded`): PostgreSQL's ``UPDATE`` waits
+    for the row lock and checks the condition again on the row as committed;
+    SQLite's ``IMMEDIATE`` transaction holds the write lock. ``cache_success``
+    caches the result once committed.
+
+    A claim that may have aged (``just_claimed`` false) is looked at first: a
+    delivery that can no longer commit does not run the body. A claim made just
+    before by the same call (the worker's path, :mod:`queueapp.execution`)
+    skips that read: its own claim, committed an instant ago, is that check, and
+    a newer claim can come after the read as well as before it, which the
+    conditional update refuses either way.
+    """
     db = _db()
     rows = TaskOutcome.objects.using(db).filter(pk=claim.outcome_id)
     with transaction.atomic(using=db):
-        # A cheap look first: a delivery that can no longer commit does not run the body.
-        status, token = rows.values_list("status", "fence_token").get()
-        refusal = _refusal(claim, status, token)
-        if refusal is not None:
-            raise refusal
+        if not just_claimed:
+            status, token = rows.values_list("status", "fence_token").get()
+            refusal = _refusal(claim, status, token)
+            if refusal is not None:
+                raise refusal
         result = body()
         stored = jsonable(result)
-        now = timezone.now()
-        # Conditional on the token: PostgreSQL's UPDATE waits for the row lock and checks the
-        # condition again on the row as committed; SQLite's IMMEDIATE transaction holds the lock.
-        updated = rows.filter(fence_token=claim.token, status=Status.RUNNING).update(
-            status=Status.SUCCEEDED,
-            result=stored,
-            error="",
-            traceback="",
-            finished_at=now,
-            lease_deadline=None,
-            updated_at=now,
-        )
-        if updated != 1:
+        if not _mark_succeeded(claim, stored, timezone.now()):
             status, token = rows.values_list("status", "fence_token").get()
             raise _refusal(claim, status, token) or DeliveryRefused(
                 Verdict.REFUSED_STALE, "the conditional success update matched no row"
             )
-        TaskDelivery.objects.using(db).filter(pk=claim.log_id).update(
-            verdict=Verdict.EXECUTED, finished_at=now
-        )
-        transaction.on_commit(lambda: cache.remember(claim.key, stored), using=db)
+        if cache_success:
+            transaction.on_commit(lambda: cache.remember(claim.key, stored), using=db)
     return result
+
+
+def _mark_succeeded(claim: Claim, stored: Any, now: datetime) -> bool:
+    """Mark the claim's row succeeded if its token and status are still the claim's; log it executed.
+
+    On PostgreSQL both updates are one statement; whether the row matched is returned.
+    """
+    db = _db()
+    connection = connections[db]
+    if connection.vendor != "postgresql":
+        updated = (
+            TaskOutcome.objects.using(db)
+            .filter(pk=claim.outcome_id, fence_token=claim.token, status=Status.RUNNING)
+            .update(
+                status=Status.SUCCEEDED,
+                result=stored,
+                error="",
+                traceback="",
+                finished_at=now,
+                lease_deadline=None,
+                updated_at=now,
+            )
+        )
+        if updated == 1:
+            TaskDelivery.objects.using(db).filter(pk=claim.log_id).update(
+                verdict=Verdict.EXECUTED, finished_at=now
+            )
+        return updated == 1
+    ops = connection.ops
+    o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
+    d = _quoted(TaskDelivery, *_DELIVERY_COLUMNS)
+    stamp = ops.adapt_datetimefield_value(now)
+    sql = f"""
+        WITH done AS (
+            UPDATE {o["table"]} SET {o["status"]} = %s, {o["result"]} = %s, {o["error"]} = '',
+                {o["traceback"]} = '', {o["finished_at"]} = %s, {o["lease_deadline"]} = NULL,
+                {o["updated_at"]} = %s
+            WHERE {o["id"]} = %s AND {o["fence_token"]} = %s AND {o["status"]} = %s
+            RETURNING {o["id"]}
+        ), logged AS (
+            UPDATE {d["table"]} SET {d["verdict"]} = %s, {d["finished_at"]} = %s
+            WHERE {d["id"]} = %s AND EXISTS (SELECT 1 FROM done)
+            RETURNING {d["id"]}
+        )
+        SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM logged)
+    """
+    params = [
+        Status.SUCCEEDED,
+        None if stored is None else ops.adapt_json_value(stored, DjangoJSONEncoder),
+        stamp,
+        stamp,
+        claim.outcome_id,
+        claim.token,
+        Status.RUNNING,
+        Verdict.EXECUTED,
+        stamp,
+        claim.log_id,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        updated, _ = cursor.fetchone()
+    return updated == 1
 
 
 def record_refusal(claim: Claim, refusal: DeliveryRefused) -> None:

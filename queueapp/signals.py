@@ -12,8 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import current_app
-from celery.signals import before_task_publish, worker_init, worker_ready, worker_shutdown
-from django.db import DatabaseError, connections
+from celery.signals import (
+    before_task_publish,
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_ready,
+    worker_shutdown,
+)
+from django.db import DatabaseError, close_old_connections, connections
 from django.utils.dateparse import parse_datetime
 
 from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
@@ -73,6 +80,25 @@ def on_worker_init(sender=None, **_) -> None:
     for task in list(app.tasks.values()):
         if policy_of(task) is not None:
             ack_only_with_a_verdict(task)
+
+
+def on_task_boundary(sender=None, **_) -> None:
+    """Before and after each task in a worker: Django's request-boundary connection rule.
+
+    Celery's Django fixup closes every database connection around each task
+    unless ``CELERY_DB_REUSE_MAX`` is set (then every N tasks, whatever their
+    state). With it set, this handler keeps the connections Django would keep
+    at a request boundary: one older than ``CONN_MAX_AGE``, left in a
+    transaction, or broken by an error (tested first when errors occurred) is
+    closed, and ``CONN_HEALTH_CHECKS`` tests the survivor before its next use.
+    Eager calls (inside a caller's transaction, often) are left alone.
+    """
+    request = getattr(sender, "request", None)
+    if getattr(request, "is_eager", False):
+        return
+    if any(connection.in_atomic_block for connection in connections.all(initialized_only=True)):
+        return
+    close_old_connections()
 
 
 def on_message_dead_lettered(sender=None, notices=(), **_) -> None:
@@ -144,6 +170,8 @@ def on_worker_shutdown(**_) -> None:
 def connect() -> None:
     before_task_publish.connect(on_before_task_publish, weak=False, dispatch_uid="queueapp.before_publish")
     worker_init.connect(on_worker_init, weak=False, dispatch_uid="queueapp.worker_init")
+    task_prerun.connect(on_task_boundary, weak=False, dispatch_uid="queueapp.task_prerun")
+    task_postrun.connect(on_task_boundary, weak=False, dispatch_uid="queueapp.task_postrun")
     worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="queueapp.worker_ready")
     worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="queueapp.worker_shutdown")
     message_dead_lettered.connect(

@@ -103,6 +103,10 @@ CELERY_WORKER_CONSUMER = "broker_ext.worker:Consumer"
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery's Django fixup closes the database connections around every task unless this is set
+# (then every N tasks); queueapp closes them at task boundaries by Django's own rule instead
+# (CONN_MAX_AGE, errors, CONN_HEALTH_CHECKS): see docs/benchmarks.md.
+CELERY_DB_REUSE_MAX = int(os.environ.get("CELERY_DB_REUSE_MAX", "100000"))
 
 # django-redis: the project's cache, on the same Redis as the broker.
 CACHES = {

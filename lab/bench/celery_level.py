@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lab.bench import profiling
+from lab.bench import profiling, querylog
 from lab.bench.core import FENCED, STOCK, BenchRun, Measurement, remaining, watch_drain
 from lab.bench.databases import sqlite_database
 from lab.processes import REPO, CeleryWorker, wait_for
@@ -50,9 +51,14 @@ PREFORK_2 = WorkerSetup("prefork", 2)
 
 
 def worker_env(run: BenchRun, system: str, db: int, database_url: str) -> dict[str, str]:
-    """The environment of the enqueuing process and the worker: broker, cache and database of this figure."""
+    """The environment of the enqueuing process and the worker: broker, cache and database of this figure.
+
+    ``DEBUG`` off, as in production: with it on, Django logs every query, and on
+    SQLite quotes each parameter with a query of its own to do so.
+    """
     return {
         "DJANGO_SETTINGS_MODULE": "settings.base",
+        "DJANGO_DEBUG": "0",
         "DATABASE_URL": database_url,
         "BROKER_URL": run.url(system, db),
         "REDIS_URL": run.url(STOCK, db),
@@ -89,16 +95,23 @@ def drain_once(
     profile: str | None = None,
     succeeded: Callable[[], int] | None = None,
     min_rate: float = 50,
+    query_log: int = 0,
 ) -> tuple[float, dict]:
     """Enqueue ``messages`` of ``task``, start a worker, watch it drain them; returns the drain rate.
 
     A drain slower than ``min_rate`` msg/s (plus 30 s to start) fails as stalled.
     With ``profile`` (a name), py-spy samples the worker during the drain (``--profile``).
     A drain only counts if the worker logged no error and, given ``succeeded`` (a count of
-    succeeded idempotency records), every task recorded its success.
+    succeeded idempotency records), every task recorded its success. With ``query_log``
+    (a number of tasks), the worker logs that many tasks' queries (:mod:`lab.bench.querylog`),
+    and the details carry their medians per task.
     """
     db = run.fresh_db()
     env = worker_env(run, system, db, database_url)
+    log_path = run.work_dir / f"queries-{tag}-{system}-{setup.name}-{db}.jsonl"
+    if query_log:
+        log_path.unlink(missing_ok=True)
+        env = {**env, querylog.ENV_FILE: str(log_path), querylog.ENV_TASKS: str(query_log)}
     try:
         succeeded_before = succeeded() if succeeded else 0
         enqueue_rate = enqueue(env, task, messages)
@@ -145,9 +158,24 @@ def drain_once(
             "steady_window": drain.steady,
             **drain.load.summary(messages),
         }
+        if query_log:
+            details.update(query_details(querylog.read(log_path)))
         return drain.rate, details
     finally:
         run.release_db(db)
+
+
+def query_details(records: list[dict]) -> dict:
+    """Medians per task of what the worker's query log recorded, and one task's statements."""
+    if not records:
+        raise AssertionError("the worker logged no task's queries")
+    return {
+        "queries_per_task": statistics.median(record["queries"] for record in records),
+        "commits_per_task": statistics.median(record["commits"] for record in records),
+        "durable_commits_per_task": statistics.median(record["durable_commits"] for record in records),
+        "logged_tasks": len(records),
+        "statements": records[len(records) // 2]["statements"],
+    }
 
 
 def run_level(run: BenchRun) -> None:

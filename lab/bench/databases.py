@@ -89,3 +89,47 @@ def succeeded_outcomes(database_url: str) -> int:
 
     with psycopg.connect(database_url, connect_timeout=5) as db:
         return int(db.execute(query).fetchone()[0])
+
+
+#: How long :func:`synchronous_commit_rate` commits for.
+COMMIT_PROBE_SECONDS = 1.0
+
+
+def synchronous_commit_rate(
+    database_url: str, work_dir: Path, seconds: float = COMMIT_PROBE_SECONDS
+) -> float:
+    """The database's own limit: durable one-row transactions per second from one connection.
+
+    PostgreSQL: autocommit ``INSERT`` s into a (logged) table of the run's
+    database, ``synchronous_commit`` as the server has it. SQLite: the same
+    into a file of its own beside the run's, in WAL mode with the default
+    ``synchronous`` (FULL), as the workers' connections are.
+    """
+    if database_url.startswith("sqlite:///"):
+        path = work_dir / "commit-probe.sqlite3"
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None, timeout=30)) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS probe (n INTEGER)")
+            return _commits_per_second(lambda n: db.execute("INSERT INTO probe VALUES (?)", (n,)), seconds)
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True, connect_timeout=5) as db:
+        db.execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (n integer)")
+        try:
+            return _commits_per_second(
+                lambda n: db.execute("INSERT INTO bench_commit_probe VALUES (%s)", (n,)), seconds
+            )
+        finally:
+            db.execute("DROP TABLE bench_commit_probe")
+
+
+def _commits_per_second(commit, seconds: float) -> float:
+    import time
+
+    for n in range(20):  # Warm-up: the file and the table exist, the statement is prepared.
+        commit(n)
+    count, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        commit(count)
+        count += 1
+    return count / elapsed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from lab.bench.core import DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
 LEVEL_TITLES = {
     "kombu": "Kombu level (one Python process)",
     "celery": "Celery level (real worker processes, lab.noop)",
-    "exactly_once": "Exactly-once level (lab.noop_exactly_once, solo worker)",
+    "exactly_once": "Exactly-once level (lab.noop_exactly_once against the hand-written lab.noop_idempotent)",
     "scaling": "Scaling (depth, reclaim, memory)",
     "redis": "Redis load (ops counted by INFO commandstats, script-internal commands included)",
 }
@@ -68,6 +69,28 @@ def _across(numerator: tuple[str, str], denominator: tuple[str, str]) -> Callabl
     )
 
 
+def _fenced(numerator: str, denominator: str) -> Callable[[dict[str, Measurement]], float | None]:
+    """One fenced figure over another (two tasks, or two worker setups, on the same transport).
+
+    Figures measured in turns (the exactly-once level) give the median of the
+    ratios turn by turn: a load that came and went hit both sides of a turn
+    alike. Otherwise, the ratio of the medians.
+    """
+
+    def value(figures: dict[str, Measurement]) -> float | None:
+        top, bottom = figures[numerator].repeats[FENCED], figures[denominator].repeats[FENCED]
+        if len(top) == len(bottom) > 1:
+            return statistics.median(a / b for a, b in zip(top, bottom, strict=True))
+        return figures[numerator].values[FENCED] / figures[denominator].values[FENCED]
+
+    return value
+
+
+def _value(key: str) -> Callable[[dict[str, Measurement]], float | None]:
+    """A fenced figure itself (a cost per task)."""
+    return lambda figures: figures[key].values[FENCED]
+
+
 def _flatness(prefix: str, detail: str) -> Callable[[dict[str, Measurement]], float | None]:
     """Fenced cost at the deepest queue over the cost at the shallowest (1.0: perfectly flat)."""
 
@@ -80,6 +103,43 @@ def _flatness(prefix: str, detail: str) -> Callable[[dict[str, Measurement]], fl
         return deep / shallow
 
     return value
+
+
+def _exactly_once_targets() -> tuple[Target, ...]:
+    """The exactly-once layer against the hand-written idempotent task, per database (issue 11)."""
+    targets = []
+    for engine, name in (("postgresql", "PostgreSQL"), ("sqlite", "SQLite")):
+        targets += [
+            Target(
+                f"exactly-once drain, solo, {name}",
+                "noop_exactly_once >= 0.8x hand-written noop_idempotent",
+                0.8,
+                _fenced(f"exactly_once.drain.{engine}", f"exactly_once.drain_idempotent.{engine}"),
+            ),
+            Target(
+                f"exactly-once enqueue, {name}",
+                "exactly-once .delay() (queued record) >= 0.8x plain .delay()",
+                0.8,
+                _fenced(f"exactly_once.enqueue.{engine}", f"exactly_once.enqueue_plain.{engine}"),
+            ),
+            Target(
+                f"synchronous commits per task, {name}",
+                "noop_exactly_once, common path: at most 1",
+                1.0,
+                _value(f"exactly_once.durable_commits.{engine}"),
+                at_most=True,
+            ),
+        ]
+    targets.insert(
+        1,
+        Target(
+            "exactly-once prefork 4 / solo, PostgreSQL",
+            "rate grows with processes: >= 1.2",
+            1.2,
+            _fenced("exactly_once.drain_prefork4.postgresql", "exactly_once.drain.postgresql"),
+        ),
+    )
+    return tuple(targets)
 
 
 TARGETS = (
@@ -120,6 +180,7 @@ TARGETS = (
         _flatness("scaling.claim_ack.", "ack_lua_us"),
         at_most=True,
     ),
+    *_exactly_once_targets(),
 )
 
 

@@ -36,6 +36,14 @@ EXPECTED = {
     "celery.drain.solo": BOTH,
     "exactly_once.enqueue.sqlite": BOTH,
     "exactly_once.drain.sqlite": BOTH,
+    "exactly_once.enqueue_plain.sqlite": {"fenced"},
+    "exactly_once.database.sqlite": {"fenced"},
+    "exactly_once.drain_noop.sqlite": {"fenced"},
+    "exactly_once.drain_idempotent.sqlite": {"fenced"},
+    "exactly_once.queries.sqlite": {"fenced"},
+    "exactly_once.durable_commits.sqlite": {"fenced"},
+    "exactly_once.queries_anchor.sqlite": {"fenced"},
+    "exactly_once.durable_commits_anchor.sqlite": {"fenced"},
     "scaling.claim_ack.1000": {"fenced"},
     "scaling.claim_ack.10000": {"fenced"},
     "scaling.kombu_get_ack.1000": BOTH,
@@ -109,6 +117,17 @@ def test_every_target_is_evaluated_as_pass_fail_or_missing(bench_report):
     for target in targets:
         assert target["status"] in {"PASS", "FAIL", "MISSING"}
         assert (target["measured"] is None) == (target["status"] == "MISSING")
+
+
+def test_queries_per_task_come_from_the_workers_query_log(bench_report):
+    """The query figures carry the statements of one logged task (their counts are not checked here)."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    for key in ("exactly_once.queries.sqlite", "exactly_once.queries_anchor.sqlite"):
+        details = figures[key]["details"].get("fenced")
+        if details is None:
+            continue  # Reported in errors (checked above).
+        assert details["statements"], key
+        assert figures[key]["values"]["fenced"] >= 1, key
 
 
 def test_the_run_records_its_sizes_machine_and_skipped_parts(bench_report):

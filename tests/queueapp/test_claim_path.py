@@ -1,0 +1,122 @@
+"""The common path of a delivery, as Django's query log sees it: one claim statement, one synchronous commit.
+
+The first delivery of a queued key is claimed by one conditional statement
+(with its log row) whose commit does not wait for its own flush, and the
+success is the one synchronous commit; whatever the common path does not
+match is still decided under the row lock. The durability argument is in
+:func:`queueapp.ledger._without_own_flush` and ``_without_own_sync``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from broker_ext.records import Delivery
+from lab.bench.querylog import classify
+from queueapp import ledger
+from queueapp.delivery import DeliveryInfo
+from queueapp.models import TaskDelivery, TaskOutcome
+from tests.queueapp import demo_tasks
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
+
+Verdict = TaskDelivery.Verdict
+
+
+def delivery(task_id: str, token: int, *, count: int = 1, retries: int = 0) -> DeliveryInfo:
+    return DeliveryInfo(
+        task_id=task_id,
+        task_name=demo_tasks.effect.name,
+        retries=retries,
+        broker=Delivery("celery", f"{task_id}.{retries}", token, count),
+        queue="celery",
+        message_id=f"{task_id}.{retries}",
+        worker="w",
+    )
+
+
+def queued(args: list | None = None) -> str:
+    key = str(uuid.uuid4())
+    ledger.ensure_queued(
+        key, demo_tasks.effect.name, args=args or ["x"], kwargs={}, queue="celery", task_id=key
+    )
+    return key
+
+
+def test_the_common_path_is_one_claim_statement_and_one_synchronous_commit(effects):
+    key = queued()
+    with CaptureQueriesContext(connection) as queries:
+        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        ledger.commit(claim, lambda: demo_tasks.record_effect("x"), just_claimed=True)
+    counts = classify([query["sql"] for query in queries.captured_queries])
+    assert counts["durable_commits"] == 1, queries.captured_queries
+    assert counts["commits"] == 2
+    outcome = TaskOutcome.objects.get(idempotency_key=key)
+    assert (outcome.status, outcome.fence_token, outcome.attempts, outcome.deliveries) == (
+        "succeeded",
+        7,
+        1,
+        1,
+    )
+    assert outcome.args == ["x"] and outcome.worker == "w" and outcome.first_started_at is not None
+    log = outcome.delivery_log.get()
+    assert (log.verdict, log.fence_token, log.delivery_count, log.token_source) == (
+        Verdict.EXECUTED,
+        7,
+        1,
+        TaskDelivery.TokenSource.BROKER,
+    )
+    assert log.lease_deadline == outcome.delivery_log.get().lease_deadline is not None
+    assert [row[0] for row in effects()] == ["x"]
+
+
+def test_a_key_the_common_path_does_not_match_is_decided_under_the_lock(effects):
+    """No queued row, a lower token, a succeeded key: the locked path, with the same verdicts as before."""
+    key = str(uuid.uuid4())  # Never recorded as queued: the locked path creates the row.
+    first = ledger.claim(key, delivery(key, 5), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(first, ledger.Claim) and first.token == 5
+    assert isinstance(
+        ledger.claim(key, delivery(key, 5), args=[], kwargs={}, lease_seconds=30), ledger.Outranked
+    )
+    ledger.commit(first, lambda: demo_tasks.record_effect("x"), just_claimed=True)
+    again = ledger.claim(key, delivery(key, 9, count=2), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(again, ledger.Suppressed)
+    assert TaskOutcome.objects.get(idempotency_key=key).suppressed_duplicates == 1
+
+
+def test_a_retry_with_a_lower_broker_token_still_outranks_its_attempt(effects):
+    key = queued()
+    attempt = ledger.claim(key, delivery(key, 50), args=["x"], kwargs={}, lease_seconds=30)
+    ledger.record_failure(attempt, RuntimeError("boom"), retrying=True)
+    retry = ledger.claim(key, delivery(key, 3, retries=1), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(retry, ledger.Claim) and retry.token == 51  # The stored token plus one.
+
+
+def test_an_older_attempt_redelivered_after_its_retry_took_over_is_suppressed(effects):
+    key = queued()
+    ledger.claim(key, delivery(key, 10, retries=1), args=["x"], kwargs={}, lease_seconds=30)
+    older = ledger.claim(key, delivery(key, 20, retries=0, count=2), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(older, ledger.Suppressed)
+
+
+def test_a_claim_inside_a_callers_transaction_leaves_that_transaction_synchronous(effects):
+    key = queued()
+    with transaction.atomic():
+        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        assert isinstance(claim, ledger.Claim)
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SHOW synchronous_commit")
+                assert cursor.fetchone()[0] == "on"
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA synchronous")
+            before = cursor.fetchone()[0]
+        ledger.claim(queued(), delivery(str(uuid.uuid4()), 1), args=[], kwargs={}, lease_seconds=30)
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA synchronous")
+            assert cursor.fetchone()[0] == before  # Put back after the claim's own commit.
