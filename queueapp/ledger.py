@@ -141,7 +141,7 @@ def ensure_queued(
         updated_at=now,
     )
     connection = connections[_db()]
-    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+    if connection.vendor == "postgresql" and _own_transaction(connection):
         _insert_without_own_flush(connection, row)
         return
     with _without_own_sync(_db()):
@@ -279,6 +279,17 @@ _DELIVERY_COLUMNS = (
 )  # fmt: skip
 
 
+def _own_transaction(connection) -> bool:
+    """Whether a statement on ``connection`` is its own transaction (autocommit, no caller's block open).
+
+    Only then may it commit without its own flush: inside a caller's
+    transaction (an ``atomic`` block, or autocommit turned off) the setting
+    would last until the caller's commit and make the caller's writes
+    asynchronous too.
+    """
+    return connection.get_autocommit() and not connection.in_atomic_block
+
+
 def _claim_common(
     key: str, delivery: DeliveryInfo, *, args: list, kwargs: dict, lease_seconds: float
 ) -> Claim | None:
@@ -373,7 +384,7 @@ def _claim_common(
     log_values = ", ".join(["%s"] * len(log_params))
     returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
     if connection.vendor == "postgresql":
-        own_transaction = not connection.in_atomic_block
+        own_transaction = _own_transaction(connection)
         flush = "flush AS (SELECT set_config('synchronous_commit', 'off', true))," if own_transaction else ""
         only_after_flush = "AND EXISTS (SELECT 1 FROM flush)" if own_transaction else ""
         sql = f"""
@@ -387,7 +398,7 @@ def _claim_common(
             )
             SELECT claimed.*, logged.{d["id"]} FROM claimed, logged
         """
-        savepoint = transaction.atomic(using=db) if connection.in_atomic_block else contextlib.nullcontext()
+        savepoint = contextlib.nullcontext() if own_transaction else transaction.atomic(using=db)
         with savepoint, connection.cursor() as cursor:
             cursor.execute(sql, [*assignment_params, *condition_params, *log_params])
             row = cursor.fetchone()
@@ -426,7 +437,7 @@ def _without_own_sync(db: str) -> Iterator[None]:
     transaction is committed with it, at the caller's level.
     """
     connection = connections[db]
-    if connection.vendor != "sqlite" or connection.in_atomic_block:
+    if connection.vendor != "sqlite" or not _own_transaction(connection):
         yield
         return
     with connection.cursor() as cursor:

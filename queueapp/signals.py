@@ -92,12 +92,25 @@ def on_task_boundary(sender=None, **_) -> None:
     transaction, or broken by an error (tested first when errors occurred) is
     closed, and ``CONN_HEALTH_CHECKS`` tests the survivor before its next use.
     Eager calls (inside a caller's transaction, often) are left alone.
+
+    Between two tasks of a worker no ``atomic`` block can be open unless one
+    leaked (entered and never exited). Such a connection is closed: Django
+    then refuses every statement on it until the block ends, so later
+    deliveries fail to claim and go back to the broker, as when Celery
+    closed every connection. Kept open, they would commit only savepoints of
+    a transaction that never commits, and be acked.
     """
     request = getattr(sender, "request", None)
     if getattr(request, "is_eager", False):
         return
-    if any(connection.in_atomic_block for connection in connections.all(initialized_only=True)):
-        return
+    for connection in connections.all(initialized_only=True):
+        if connection.in_atomic_block:
+            logger.error(
+                "a transaction on database %r was left open by a task; closing it (rolled back): "
+                "this worker's later deliveries will fail until it restarts",
+                connection.alias,
+            )
+            connection.close()
     close_old_connections()
 
 

@@ -120,3 +120,38 @@ def test_a_claim_inside_a_callers_transaction_leaves_that_transaction_synchronou
         with connection.cursor() as cursor:
             cursor.execute("PRAGMA synchronous")
             assert cursor.fetchone()[0] == before  # Put back after the claim's own commit.
+
+
+def test_with_autocommit_off_the_callers_transaction_stays_synchronous(effects):
+    """Autocommit off, no ``atomic`` block: the queued record and the claim join the caller's transaction."""
+    transaction.set_autocommit(False)
+    try:
+        key = queued()  # SQLite: the pragma may not change inside a transaction, so none is tried
+        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        assert isinstance(claim, ledger.Claim)
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SHOW synchronous_commit")
+                assert cursor.fetchone()[0] == "on"
+        transaction.commit()
+    finally:
+        transaction.set_autocommit(True)
+    assert TaskOutcome.objects.get(idempotency_key=key).status == TaskOutcome.Status.RUNNING
+
+
+def test_a_transaction_left_open_between_two_tasks_is_closed_not_kept(effects):
+    """A leaked ``atomic`` block must not carry the next deliveries' commits: its connection is closed."""
+    from django.db import DatabaseError
+
+    from queueapp.signals import on_task_boundary
+
+    leaked = transaction.atomic()
+    leaked.__enter__()
+    try:
+        queued()
+        on_task_boundary(sender=None)  # a worker's boundary (not an eager call)
+        with pytest.raises(DatabaseError):  # every statement is refused until the block ends
+            TaskOutcome.objects.count()
+    finally:
+        leaked.__exit__(None, None, None)
+    assert TaskOutcome.objects.count() == 0  # the leaked block's writes were rolled back
