@@ -34,7 +34,7 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, t
     if database["ENGINE"].endswith("sqlite3"):
         test["NAME"] = str(tmp_path_factory.mktemp("queueapp-db") / "test.sqlite3")
     else:
-        test.setdefault("NAME", f"test_queueapp_{os.getpid()}")
+        test["NAME"] = test.get("NAME") or f"test_queueapp_{os.getpid()}"  # Django fills in None
 
 
 @pytest.fixture(scope="session")
