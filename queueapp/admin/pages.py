@@ -159,12 +159,9 @@ class OpsPagesMixin(MonitoringPagesMixin):
         app = self.celery_app()
 
         def run(dry_run: bool) -> list[actions.ActionResult]:
-            results = []
-            for queue, message_ids in chosen.items():
-                results += actions.requeue_dead_letters(
-                    app, queue, message_ids, dry_run=dry_run, **self.operator(request)
-                )
-            return results
+            return actions.requeue_dead_letters_of_queues(
+                app, chosen, dry_run=dry_run, **self.operator(request)
+            )
 
         response = run_or_confirm(
             self,

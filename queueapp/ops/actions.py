@@ -41,6 +41,7 @@ from broker_ext.errors import Reply
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
+from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 from queueapp.ops.connection import BROKER_ERRORS, ops_channel
 from queueapp.ops.reports import (
@@ -474,8 +475,36 @@ def requeue_outcomes_dead_letters(
             _tick(progress)
         else:
             by_queue.setdefault(state.queue, []).append(state.message_id)
-    for queue, message_ids in by_queue.items():
-        results += requeue_dead_letters(
-            app, queue, message_ids, dry_run=dry_run, progress=progress, actor=actor, via=via
-        )
+    return results + requeue_dead_letters_of_queues(
+        app, by_queue, dry_run=dry_run, progress=progress, actor=actor, via=via
+    )
+
+
+def requeue_dead_letters_of_queues(
+    app,
+    chosen: dict[str, list[str] | None],
+    *,
+    dry_run: bool = False,
+    progress: Progress = None,
+    actor: str = "",
+    via: str = "",
+) -> list[ActionResult]:
+    """:func:`requeue_dead_letters` for each queue of ``chosen`` (queue -> message ids, ``None``: all).
+
+    If Redis stops answering after some queues were handled, their results
+    are kept and the queues left are reported not tried; raises
+    :class:`~queueapp.errors.BrokerUnavailable` only when nothing was done.
+    """
+    results: list[ActionResult] = []
+    queues = list(chosen)
+    for index, queue in enumerate(queues):
+        try:
+            results += requeue_dead_letters(
+                app, queue, chosen[queue], dry_run=dry_run, progress=progress, actor=actor, via=via
+            )
+        except BrokerUnavailable:
+            if not any(result.done for result in results):
+                raise
+            results += [ActionResult(Step.SKIP, "", queue=rest, error=NOT_TRIED) for rest in queues[index:]]
+            break
     return results

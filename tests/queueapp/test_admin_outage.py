@@ -175,3 +175,34 @@ def test_a_redis_that_stops_answering_mid_mark_dead_marks_nothing_it_could_not_d
     assert rows() == before
     server.resume()
     assert all(queue.locate([p.message_id])[p.message_id].in_broker for p in queued)
+
+
+def test_dead_letters_of_several_queues_keep_what_was_done_when_redis_stops(outage_redis, effects):
+    """Redis stops during the first queue: what it revived is reported done, the next queue not tried."""
+    from broker_ext.errors import Reply
+    from broker_ext.options import QueueOptions
+    from broker_ext.queue import FencedQueue
+    from settings.celery import app
+
+    server, queue = outage_redis
+    first = [scenarios.dead_lettered(queue, f"first:{n}") for n in (1, 2)]
+    other = scenarios.publish(scenarios.demo_tasks.effect, "second:1", queue="reports")
+    reports = FencedQueue(server.client(), "reports", options=QueueOptions(max_deliveries=1))
+    assert reports.requeue([scenarios.claim_one(reports).delivery], counted=True) == [Reply.DEAD_LETTERED]
+    ticks = []
+
+    def stop_at_the_second_message() -> None:
+        ticks.append(1)
+        if len(ticks) == 2:
+            server.pause()
+
+    chosen = {"celery": [p.message_id for p in first], "reports": [other.message_id]}
+    results = actions.requeue_dead_letters_of_queues(app, chosen, progress=stop_at_the_second_message)
+    server.resume()
+    assert [(r.queue, r.verdict) for r in results] == [
+        ("celery", "done"),
+        ("celery", "failed"),
+        ("reports", "failed"),
+    ]
+    assert results[-1].error == actions.NOT_TRIED
+    assert queue.locate([first[0].message_id])[first[0].message_id].place.value == "ready"

@@ -111,13 +111,10 @@ class Command(BaseCommand):
         with ops_channel(app) as channel:
             names = [queue] if queue else known_queues(app, channel)
             total = sum(channel.fenced_queue(name).stats().dead for name in names)
-        results = []
         with self._progress(total, "requeueing dead letters") as tick:
-            for name in names:
-                results += actions.requeue_dead_letters(
-                    app, name, dry_run=dry_run, progress=tick, actor=operator(), via=VIA
-                )
-        return results
+            return actions.requeue_dead_letters_of_queues(
+                app, dict.fromkeys(names), dry_run=dry_run, progress=tick, actor=operator(), via=VIA
+            )
 
     @contextmanager
     def _progress(self, total: int, label: str) -> Iterator[Callable[[], None] | None]:
