@@ -103,15 +103,20 @@ def test_an_older_attempt_redelivered_after_its_retry_took_over_is_suppressed(ef
     assert isinstance(older, ledger.Suppressed)
 
 
+def assert_the_open_transaction_commits_synchronously() -> None:
+    """PostgreSQL: the caller's transaction still flushes its commit (SQLite cannot change it inside one)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            assert cursor.fetchone()[0] == "on"
+
+
 def test_a_claim_inside_a_callers_transaction_leaves_that_transaction_synchronous(effects):
     key = queued()
     with transaction.atomic():
         claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
         assert isinstance(claim, ledger.Claim)
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SHOW synchronous_commit")
-                assert cursor.fetchone()[0] == "on"
+        assert_the_open_transaction_commits_synchronously()
     if connection.vendor == "sqlite":
         with connection.cursor() as cursor:
             cursor.execute("PRAGMA synchronous")
@@ -129,10 +134,7 @@ def test_with_autocommit_off_the_callers_transaction_stays_synchronous(effects):
         key = queued()  # SQLite: the pragma may not change inside a transaction, so none is tried
         claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
         assert isinstance(claim, ledger.Claim)
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SHOW synchronous_commit")
-                assert cursor.fetchone()[0] == "on"
+        assert_the_open_transaction_commits_synchronously()
         transaction.commit()
     finally:
         transaction.set_autocommit(True)
