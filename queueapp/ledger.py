@@ -223,33 +223,13 @@ def claim(
             detail = f"attempt {delivery.retries} superseded by retry {outcome.retries}"
             _suppress(outcome, delivery, detail, now)
             return Suppressed(outcome.pk, outcome.status, None)
-        if not delivery.fenced:
-            token = outcome.fence_token + 1
-        elif delivery.token > outcome.fence_token:
-            token = delivery.token
-        elif same_task and delivery.retries > outcome.retries:
-            # A retry outranks the attempt before it whatever the broker's tokens say; the key's
-            # token still only grows, for external systems that keep the highest they saw.
-            token = outcome.fence_token + 1
-        else:
-            # Written by record_outranked() once the broker said what became of it.
+        token = _token_for(outcome, delivery)
+        if token is None:  # Written by record_outranked() once the broker said what became of it.
             return Outranked(outcome.pk, outcome.fence_token)
         source = _source(delivery)
-        outcome.fence_token = token
-        outcome.retries = delivery.retries
-        outcome.status = Status.RUNNING
-        outcome.attempts += 1
-        outcome.worker = delivery.worker[:255]
-        outcome.task_id = delivery.task_id[:255]
-        outcome.message_id = delivery.message_id[:255]
-        outcome.queue = delivery.queue[:255] or outcome.queue
-        outcome.first_started_at = outcome.first_started_at or now
-        outcome.last_started_at = now
-        outcome.finished_at = None
-        outcome.lease_deadline = now + timedelta(seconds=lease_seconds)
-        if not outcome.args and not outcome.kwargs:
-            outcome.args, outcome.kwargs = list(args), dict(kwargs)
-        outcome.save()
+        _mark_running(
+            outcome, delivery, token, now=now, lease_seconds=lease_seconds, args=args, kwargs=kwargs
+        )
         log = TaskDelivery.objects.using(db).create(
             outcome=outcome,
             fence_token=token,
@@ -290,6 +270,47 @@ def _own_transaction(connection) -> bool:
     return connection.get_autocommit() and not connection.in_atomic_block
 
 
+def _token_for(outcome: TaskOutcome, delivery: DeliveryInfo) -> int | None:
+    """The token this delivery runs under, or ``None`` when a newer delivery outranks it."""
+    if not delivery.fenced:
+        return outcome.fence_token + 1
+    if delivery.token > outcome.fence_token:
+        return delivery.token
+    if delivery.task_id == outcome.task_id and delivery.retries > outcome.retries:
+        # A retry outranks the attempt before it whatever the broker's tokens say; the key's
+        # token still only grows, for external systems that keep the highest they saw.
+        return outcome.fence_token + 1
+    return None
+
+
+def _mark_running(
+    outcome: TaskOutcome,
+    delivery: DeliveryInfo,
+    token: int,
+    *,
+    now: datetime,
+    lease_seconds: float,
+    args: list,
+    kwargs: dict,
+) -> None:
+    """Save the locked row as *running* under ``token`` for this delivery (:func:`claim`'s locked path)."""
+    outcome.fence_token = token
+    outcome.retries = delivery.retries
+    outcome.status = Status.RUNNING
+    outcome.attempts += 1
+    outcome.worker = delivery.worker[:255]
+    outcome.task_id = delivery.task_id[:255]
+    outcome.message_id = delivery.message_id[:255]
+    outcome.queue = delivery.queue[:255] or outcome.queue
+    outcome.first_started_at = outcome.first_started_at or now
+    outcome.last_started_at = now
+    outcome.finished_at = None
+    outcome.lease_deadline = now + timedelta(seconds=lease_seconds)
+    if not outcome.args and not outcome.kwargs:
+        outcome.args, outcome.kwargs = list(args), dict(kwargs)
+    outcome.save()
+
+
 def _claim_common(
     key: str, delivery: DeliveryInfo, *, args: list, kwargs: dict, lease_seconds: float
 ) -> Claim | None:
@@ -312,115 +333,116 @@ def _claim_common(
     connection = connections[db]
     if connection.vendor not in ("postgresql", "sqlite"):  # No UPDATE ... RETURNING to rely on.
         return None
-    ops = connection.ops
     now = timezone.now()
-    o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
-    d = _quoted(TaskDelivery, *_DELIVERY_COLUMNS)
-    running = [Status.QUEUED, Status.RUNNING, Status.FAILED]
-    in_progress = [Status.QUEUED, Status.RUNNING]
-    task_id, queue = delivery.task_id[:255], delivery.queue[:255]
-    if delivery.fenced:  # The broker's token, if above the stored one.
-        token_sql, token_condition, token_params = "%s", f"AND {o['fence_token']} < %s", [delivery.token]
-    else:  # The database's counter.
-        token_sql, token_condition, token_params = f"{o['fence_token']} + 1", "", []
-    empty_args, empty_kwargs = ops.adapt_json_value([], None), ops.adapt_json_value({}, None)
-    assignments = f"""
-        {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = %s,
-        {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
-        {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
-        {o["queue"]} = CASE WHEN %s = '' THEN {o["queue"]} ELSE %s END,
-        {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
-        {o["finished_at"]} = NULL, {o["lease_deadline"]} = %s, {o["updated_at"]} = %s,
-        {o["args"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["args"]} END,
-        {o["kwargs"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["kwargs"]} END
-    """
-    stamp = ops.adapt_datetimefield_value(now)
-    lease_deadline = ops.adapt_datetimefield_value(now + timedelta(seconds=lease_seconds))
-    assignment_params = [
-        *token_params,
-        delivery.retries,
-        Status.RUNNING,
-        delivery.worker[:255],
-        task_id,
-        delivery.message_id[:255],
-        queue,
-        queue,
-        stamp,
-        stamp,
-        lease_deadline,
-        stamp,
-        empty_args,
-        empty_kwargs,
-        ops.adapt_json_value(list(args), DjangoJSONEncoder),
-        empty_args,
-        empty_kwargs,
-        ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder),
-    ]
-    conditions = f"""
-        {o["idempotency_key"]} = %s AND {o["status"]} IN (%s, %s, %s) {token_condition}
-        AND NOT ({o["task_id"]} = %s AND {o["status"]} IN (%s, %s) AND {o["retries"]} > %s)
-    """
-    condition_params = [key, *running, *token_params, task_id, *in_progress, delivery.retries]
-    log_columns = ", ".join(
-        d[name]
-        for name in (
-            "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
-            "worker", "task_id", "message_id", "queue", "started_at", "lease_deadline",
-        )
-    )  # fmt: skip
-    log_params = [
-        _source(delivery),
-        TaskDelivery.Verdict.STARTED,
-        "",
-        delivery.delivery_count,
-        delivery.retries,
-        delivery.worker[:255],
-        task_id,
-        delivery.message_id[:255],
-        queue,
-        stamp,
-        lease_deadline,
-    ]
-    log_values = ", ".join(["%s"] * len(log_params))
-    returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
-    if connection.vendor == "postgresql":
-        own_transaction = _own_transaction(connection)
-        flush = "flush AS (SELECT set_config('synchronous_commit', 'off', true))," if own_transaction else ""
-        only_after_flush = "AND EXISTS (SELECT 1 FROM flush)" if own_transaction else ""
-        sql = f"""
-            WITH {flush} claimed AS (
-                UPDATE {o["table"]} SET {assignments} WHERE {conditions} {only_after_flush}
-                RETURNING {returning}
-            ), logged AS (
-                INSERT INTO {d["table"]} ({log_columns})
-                SELECT claimed.{o["id"]}, claimed.{o["fence_token"]}, {log_values}
-                FROM claimed RETURNING {d["id"]}
-            )
-            SELECT claimed.*, logged.{d["id"]} FROM claimed, logged
+    lease_deadline = now + timedelta(seconds=lease_seconds)
+    update = _ClaimStatement(connection, key, delivery, args, kwargs, now, lease_deadline)
+    run = _run_claim_postgresql if connection.vendor == "postgresql" else _run_claim_sqlite
+    found = run(db, connection, update)
+    if found is None:
+        return None
+    outcome_id, attempts, token, log_id = found
+    return Claim(key, outcome_id, token, _source(delivery), log_id, attempts)
+
+
+class _ClaimStatement:
+    """The pieces of the common claim's SQL: the row's assignments, its conditions, its log row."""
+
+    def __init__(self, connection, key, delivery, args, kwargs, now, lease_deadline) -> None:
+        ops = connection.ops
+        o = self.o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
+        self.d = _quoted(TaskDelivery, *_DELIVERY_COLUMNS)
+        task_id, queue = delivery.task_id[:255], delivery.queue[:255]
+        if delivery.fenced:  # The broker's token, if above the stored one.
+            token_sql, token_condition, token_params = "%s", f"AND {o['fence_token']} < %s", [delivery.token]
+        else:  # The database's counter.
+            token_sql, token_condition, token_params = f"{o['fence_token']} + 1", "", []
+        stamp = ops.adapt_datetimefield_value(now)
+        deadline = ops.adapt_datetimefield_value(lease_deadline)
+        self.assignments = f"""
+            {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = %s,
+            {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
+            {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
+            {o["queue"]} = CASE WHEN %s = '' THEN {o["queue"]} ELSE %s END,
+            {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
+            {o["finished_at"]} = NULL, {o["lease_deadline"]} = %s, {o["updated_at"]} = %s,
+            {o["args"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["args"]} END,
+            {o["kwargs"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["kwargs"]} END
         """
-        savepoint = contextlib.nullcontext() if own_transaction else transaction.atomic(using=db)
-        with savepoint, connection.cursor() as cursor:
-            cursor.execute(sql, [*assignment_params, *condition_params, *log_params])
-            row = cursor.fetchone()
+        empty_args, empty_kwargs = ops.adapt_json_value([], None), ops.adapt_json_value({}, None)
+        given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
+        given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
+        worker, message_id = delivery.worker[:255], delivery.message_id[:255]
+        self.assignment_params = [
+            *token_params, delivery.retries, Status.RUNNING, worker, task_id, message_id, queue, queue,
+            stamp, stamp, deadline, stamp,
+            empty_args, empty_kwargs, given_args, empty_args, empty_kwargs, given_kwargs,
+        ]  # fmt: skip
+        self.conditions = f"""
+            {o["idempotency_key"]} = %s AND {o["status"]} IN (%s, %s, %s) {token_condition}
+            AND NOT ({o["task_id"]} = %s AND {o["status"]} IN (%s, %s) AND {o["retries"]} > %s)
+        """
+        self.condition_params = [
+            key, Status.QUEUED, Status.RUNNING, Status.FAILED, *token_params,
+            task_id, Status.QUEUED, Status.RUNNING, delivery.retries,
+        ]  # fmt: skip
+        self.log_columns = ", ".join(
+            self.d[name]
+            for name in (
+                "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
+                "worker", "task_id", "message_id", "queue", "started_at", "lease_deadline",
+            )
+        )  # fmt: skip
+        self.log_params = [
+            _source(delivery), TaskDelivery.Verdict.STARTED, "", delivery.delivery_count, delivery.retries,
+            worker, task_id, message_id, queue, stamp, deadline,
+        ]  # fmt: skip
+        self.log_values = ", ".join(["%s"] * len(self.log_params))
+        self.returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
+
+
+def _run_claim_postgresql(db: str, connection, update: _ClaimStatement) -> tuple | None:
+    """The claim and its log row in one statement; on its own, committed without its own WAL flush."""
+    o, d = update.o, update.d
+    own_transaction = _own_transaction(connection)
+    flush = "flush AS (SELECT set_config('synchronous_commit', 'off', true))," if own_transaction else ""
+    only_after_flush = "AND EXISTS (SELECT 1 FROM flush)" if own_transaction else ""
+    sql = f"""
+        WITH {flush} claimed AS (
+            UPDATE {o["table"]} SET {update.assignments} WHERE {update.conditions} {only_after_flush}
+            RETURNING {update.returning}
+        ), logged AS (
+            INSERT INTO {d["table"]} ({update.log_columns})
+            SELECT claimed.{o["id"]}, claimed.{o["fence_token"]}, {update.log_values}
+            FROM claimed RETURNING {d["id"]}
+        )
+        SELECT claimed.*, logged.{d["id"]} FROM claimed, logged
+    """
+    savepoint = contextlib.nullcontext() if own_transaction else transaction.atomic(using=db)
+    with savepoint, connection.cursor() as cursor:
+        cursor.execute(sql, [*update.assignment_params, *update.condition_params, *update.log_params])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    outcome_id, attempts, token, log_id = row
+    return outcome_id, attempts, token, log_id
+
+
+def _run_claim_sqlite(db: str, connection, update: _ClaimStatement) -> tuple | None:
+    """The claim, then its log row, in one ``IMMEDIATE`` transaction written to the WAL without an fsync."""
+    o, d = update.o, update.d
+    table, returning = o["table"], update.returning
+    sql = f"UPDATE {table} SET {update.assignments} WHERE {update.conditions} RETURNING {returning}"
+    with _without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
+        cursor.execute(sql, [*update.assignment_params, *update.condition_params])
+        row = cursor.fetchone()
         if row is None:
             return None
-        outcome_id, attempts, token, log_id = row
-    else:
-        with _without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {o['table']} SET {assignments} WHERE {conditions} RETURNING {returning}",
-                [*assignment_params, *condition_params],
-            )
-            row = cursor.fetchone()
-            if row is None:
-                return None
-            outcome_id, attempts, token = row
-            cursor.execute(
-                f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})",
-                [outcome_id, token, *log_params],
-            )
-            log_id = cursor.lastrowid
-    return Claim(key, outcome_id, token, _source(delivery), log_id, attempts)
+        outcome_id, attempts, token = row
+        cursor.execute(
+            f"INSERT INTO {d['table']} ({update.log_columns}) VALUES (%s, %s, {update.log_values})",
+            [outcome_id, token, *update.log_params],
+        )
+        return outcome_id, attempts, token, cursor.lastrowid
 
 
 @contextlib.contextmanager

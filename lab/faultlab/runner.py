@@ -195,35 +195,8 @@ def run_broker(
     (interruption or Interruption()).watch(stop)
     with ExitStack() as cleanup:
         progress(f"{broker}: starting Redis", 0, 0)
-        topology = make_topology(config, run_dir, broker)
-        cleanup.callback(topology.stop)
-        topology.start()
-        proxy = None
-        address = topology.endpoint()
-        if topology.proxied:
-            proxy = FaultProxy(*address, seed=config.seed)
-            cleanup.callback(proxy.stop)
-            address = proxy.start().address
+        topology, proxy, broker_url, (host, port) = _start_broker(config, run_dir, broker, cleanup)
         queues = topology.queues(config.queues)
-        broker_url = topology.broker_url(SCHEMES[broker], address)
-        host, port = address
-        cleanup.callback(
-            _reset_app,
-            celery_app,
-            celery_app.conf.broker_url,
-            dict(celery_app.conf.broker_transport_options or {}),
-        )
-        _reset_app(
-            celery_app,
-            broker_url,
-            {
-                "lease_timeout": config.lease,
-                "socket_timeout": config.socket_timeout,
-                "socket_connect_timeout": 5,
-                **topology.transport_options(),
-            },
-        )
-
         progress(f"{broker}: starting {config.workers} workers", 0, config.workers)
         fleet = Fleet(
             count=config.workers,
@@ -288,6 +261,34 @@ def run_broker(
         connections.close_all()
     lap("teardown")
     return replace(history, seconds=time.monotonic() - started, timings=timings)
+
+
+def _start_broker(config: LabConfig, run_dir: Path, broker: str, cleanup: ExitStack) -> tuple:
+    """Start the run's Redis (and its fault proxy) and point the lab's Celery app at it.
+
+    Returns ``(topology, proxy or None, broker URL, (host, port) the clients use)``;
+    everything started is stopped by ``cleanup``, and the app's settings put back.
+    """
+    topology = make_topology(config, run_dir, broker)
+    cleanup.callback(topology.stop)
+    topology.start()
+    proxy = None
+    address = topology.endpoint()
+    if topology.proxied:
+        proxy = FaultProxy(*address, seed=config.seed)
+        cleanup.callback(proxy.stop)
+        address = proxy.start().address
+    broker_url = topology.broker_url(SCHEMES[broker], address)
+    given_options = dict(celery_app.conf.broker_transport_options or {})
+    cleanup.callback(_reset_app, celery_app, celery_app.conf.broker_url, given_options)
+    options = {
+        "lease_timeout": config.lease,
+        "socket_timeout": config.socket_timeout,
+        "socket_connect_timeout": 5,
+        **topology.transport_options(),
+    }
+    _reset_app(celery_app, broker_url, options)
+    return topology, proxy, broker_url, address
 
 
 def _raise_if_stopped(stop: threading.Event) -> None:
