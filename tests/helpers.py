@@ -7,6 +7,10 @@ import json
 import kombu.pools
 import redis
 
+#: Seconds a test's worker gets to stop warmly at teardown before SIGKILL: the test has seen what it
+#: needed, and a worker still running a long task (or paused) would otherwise hold the suite up.
+TEARDOWN_GRACE = 5
+
 
 def reset_connections(app) -> None:
     """Drop a Celery app's cached connection and producer pools (each test has its own broker).

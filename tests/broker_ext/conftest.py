@@ -13,7 +13,7 @@ from lab.processes import REPO, CeleryWorker
 from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster
 from tests.broker_ext.behaviour import transport_options
-from tests.helpers import reset_connections
+from tests.helpers import TEARDOWN_GRACE, reset_connections
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def start_worker(redis_server, fenced_url) -> Iterator[Callable[..., CeleryWorke
 
     yield start
     for worker in workers:
-        worker.stop()
+        worker.stop(timeout=TEARDOWN_GRACE)
 
 
 @pytest.fixture

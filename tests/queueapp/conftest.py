@@ -16,7 +16,7 @@ import pytest
 
 from broker_ext.queue import FencedQueue
 from lab.processes import REPO, CeleryWorker, database_url_for_workers
-from tests.helpers import reset_connections
+from tests.helpers import TEARDOWN_GRACE, reset_connections
 
 DEMO_TASKS = "tests.queueapp.demo_tasks"
 
@@ -125,7 +125,7 @@ def start_worker(fenced_url, redis_server, redis_db, tmp_path) -> Iterator[Calla
 
     yield start
     for worker in workers:
-        worker.stop()
+        worker.stop(timeout=TEARDOWN_GRACE)
 
 
 @pytest.fixture
