@@ -18,6 +18,13 @@ Every value is looked up when it is used, never at import time, so tests
     short write, no lock wait on the body). ``False``: it is only logged.
 ``RECORD_QUEUED`` (``True``)
     Publishing an exactly-once task records its outcome row as *queued*.
+``PREPARED_STATEMENTS`` (``True``)
+    On PostgreSQL, the claim, the success and the *queued* record run as
+    prepared statements (:mod:`queueapp.statements`): parsing and planning
+    them cost more than running them. ``False`` behind a connection pooler in
+    transaction mode that does not keep prepared statements (PgBouncer before
+    1.21, or ``max_prepared_statements = 0``); a process that meets a lost
+    prepared statement stops preparing by itself and logs an error.
 ``DEFER_MAX_DELAY`` (``60.0``)
     Longest wait of a delivery given back while the database is unreachable: the
     wait doubles from ``DEFER_DELAY`` with each delivery of the message, and a
@@ -96,6 +103,7 @@ DEFAULTS: dict[str, Any] = {
     "CACHE_TIMEOUT": 86400,
     "AUDIT_CACHED_DUPLICATES": True,
     "RECORD_QUEUED": True,
+    "PREPARED_STATEMENTS": True,
     "DEFER_DELAY": 1.0,
     "DEFER_MAX_DELAY": 60.0,
     "LEASE_TIMEOUT": None,

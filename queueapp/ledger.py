@@ -39,7 +39,7 @@ from django.db import connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from queueapp import cache, conf
+from queueapp import cache, conf, statements
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import DeliveryRefused
 from queueapp.models import TaskDelivery, TaskOutcome
@@ -93,10 +93,6 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def _source(delivery: DeliveryInfo) -> str:
-    return TaskDelivery.TokenSource.BROKER if delivery.fenced else TaskDelivery.TokenSource.DATABASE
-
-
 def _log_fields(delivery: DeliveryInfo) -> dict:
     return {
         "delivery_count": delivery.delivery_count,
@@ -142,25 +138,10 @@ def ensure_queued(
     )
     connection = connections[_db()]
     if connection.vendor == "postgresql" and _own_transaction(connection):
-        _insert_without_own_flush(connection, row)
+        statements.insert_queued_without_own_flush(connection, row)
         return
     with _without_own_sync(_db()):
         TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
-
-
-def _insert_without_own_flush(connection, row: TaskOutcome) -> None:
-    """``INSERT ... ON CONFLICT DO NOTHING`` of ``row``: one autocommit statement, an asynchronous commit."""
-    quote = connection.ops.quote_name
-    fields = [field for field in TaskOutcome._meta.concrete_fields if not field.primary_key]
-    values = [field.get_db_prep_save(getattr(row, field.attname), connection) for field in fields]
-    key = quote(TaskOutcome._meta.get_field("idempotency_key").column)
-    sql = (
-        "WITH flush AS (SELECT set_config('synchronous_commit', 'off', true)) "
-        f"INSERT INTO {quote(TaskOutcome._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
-        f"SELECT {', '.join(['%s'] * len(fields))} FROM flush ON CONFLICT ({key}) DO NOTHING"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, values)
 
 
 def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:
@@ -170,7 +151,7 @@ def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: da
     TaskDelivery.objects.using(_db()).create(
         outcome=outcome,
         fence_token=delivery.token or 0,
-        token_source=_source(delivery),
+        token_source=statements.source(delivery),
         verdict=Verdict.SUPPRESSED_DUPLICATE,
         detail=detail,
         started_at=now,
@@ -226,7 +207,7 @@ def claim(
         token = _token_for(outcome, delivery)
         if token is None:  # Written by record_outranked() once the broker said what became of it.
             return Outranked(outcome.pk, outcome.fence_token)
-        source = _source(delivery)
+        source = statements.source(delivery)
         _mark_running(
             outcome, delivery, token, now=now, lease_seconds=lease_seconds, args=args, kwargs=kwargs
         )
@@ -239,24 +220,6 @@ def claim(
             **_log_fields(delivery),
         )
     return Claim(key, outcome.pk, token, source, log.pk, outcome.attempts)
-
-
-def _quoted(model, *names: str) -> dict[str, str]:
-    """The quoted table (``"table"``) and column names of ``model``'s fields, for hand-written SQL."""
-    quote = connections[_db()].ops.quote_name
-    columns = {name: quote(model._meta.get_field(name).column) for name in names}
-    return {"table": quote(model._meta.db_table), **columns}
-
-
-_OUTCOME_COLUMNS = (
-    "id", "idempotency_key", "status", "fence_token", "retries", "attempts", "deliveries", "worker",
-    "task_id", "message_id", "queue", "first_started_at", "last_started_at", "finished_at",
-    "lease_deadline", "updated_at", "args", "kwargs", "result", "error", "traceback",
-)  # fmt: skip
-_DELIVERY_COLUMNS = (
-    "id", "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
-    "worker", "task_id", "message_id", "queue", "started_at", "finished_at", "lease_deadline",
-)  # fmt: skip
 
 
 def _own_transaction(connection) -> bool:
@@ -334,114 +297,38 @@ def _claim_common(
     if connection.vendor not in ("postgresql", "sqlite"):  # No UPDATE ... RETURNING to rely on.
         return None
     now = timezone.now()
-    lease_deadline = now + timedelta(seconds=lease_seconds)
-    update = _ClaimStatement(connection, key, delivery, args, kwargs, now, lease_deadline)
+    update, log = statements.claim_params(
+        connection, key, delivery, args, kwargs, now, now + timedelta(seconds=lease_seconds)
+    )
     run = _run_claim_postgresql if connection.vendor == "postgresql" else _run_claim_sqlite
-    found = run(db, connection, update)
+    found = run(db, connection, delivery.fenced, update, log)
     if found is None:
         return None
     outcome_id, attempts, token, log_id = found
-    return Claim(key, outcome_id, token, _source(delivery), log_id, attempts)
+    return Claim(key, outcome_id, token, statements.source(delivery), log_id, attempts)
 
 
-class _ClaimStatement:
-    """The pieces of the common claim's SQL: the row's assignments, its conditions, its log row."""
-
-    def __init__(self, connection, key, delivery, args, kwargs, now, lease_deadline) -> None:
-        ops = connection.ops
-        o = self.o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
-        self.d = _quoted(TaskDelivery, *_DELIVERY_COLUMNS)
-        task_id, queue = delivery.task_id[:255], delivery.queue[:255]
-        if delivery.fenced:  # The broker's token, if above the stored one.
-            token_sql, token_condition, token_params = "%s", f"AND {o['fence_token']} < %s", [delivery.token]
-        else:  # The database's counter.
-            token_sql, token_condition, token_params = f"{o['fence_token']} + 1", "", []
-        stamp = ops.adapt_datetimefield_value(now)
-        deadline = ops.adapt_datetimefield_value(lease_deadline)
-        self.assignments = f"""
-            {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = %s,
-            {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
-            {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
-            {o["queue"]} = CASE WHEN %s = '' THEN {o["queue"]} ELSE %s END,
-            {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
-            {o["finished_at"]} = NULL, {o["lease_deadline"]} = %s, {o["updated_at"]} = %s,
-            {o["args"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["args"]} END,
-            {o["kwargs"]} = CASE WHEN {o["args"]} = %s AND {o["kwargs"]} = %s THEN %s ELSE {o["kwargs"]} END
-        """
-        empty_args, empty_kwargs = ops.adapt_json_value([], None), ops.adapt_json_value({}, None)
-        given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
-        given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
-        worker, message_id = delivery.worker[:255], delivery.message_id[:255]
-        self.assignment_params = [
-            *token_params, delivery.retries, Status.RUNNING, worker, task_id, message_id, queue, queue,
-            stamp, stamp, deadline, stamp,
-            empty_args, empty_kwargs, given_args, empty_args, empty_kwargs, given_kwargs,
-        ]  # fmt: skip
-        self.conditions = f"""
-            {o["idempotency_key"]} = %s AND {o["status"]} IN (%s, %s, %s) {token_condition}
-            AND NOT ({o["task_id"]} = %s AND {o["status"]} IN (%s, %s) AND {o["retries"]} > %s)
-        """
-        self.condition_params = [
-            key, Status.QUEUED, Status.RUNNING, Status.FAILED, *token_params,
-            task_id, Status.QUEUED, Status.RUNNING, delivery.retries,
-        ]  # fmt: skip
-        self.log_columns = ", ".join(
-            self.d[name]
-            for name in (
-                "outcome", "fence_token", "token_source", "verdict", "detail", "delivery_count", "retries",
-                "worker", "task_id", "message_id", "queue", "started_at", "lease_deadline",
-            )
-        )  # fmt: skip
-        self.log_params = [
-            _source(delivery), TaskDelivery.Verdict.STARTED, "", delivery.delivery_count, delivery.retries,
-            worker, task_id, message_id, queue, stamp, deadline,
-        ]  # fmt: skip
-        self.log_values = ", ".join(["%s"] * len(self.log_params))
-        self.returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
-
-
-def _run_claim_postgresql(db: str, connection, update: _ClaimStatement) -> tuple | None:
+def _run_claim_postgresql(db: str, connection, fenced: bool, update: list, log: list) -> tuple | None:
     """The claim and its log row in one statement; on its own, committed without its own WAL flush."""
-    o, d = update.o, update.d
     own_transaction = _own_transaction(connection)
-    flush = "flush AS (SELECT set_config('synchronous_commit', 'off', true))," if own_transaction else ""
-    only_after_flush = "AND EXISTS (SELECT 1 FROM flush)" if own_transaction else ""
-    sql = f"""
-        WITH {flush} claimed AS (
-            UPDATE {o["table"]} SET {update.assignments} WHERE {update.conditions} {only_after_flush}
-            RETURNING {update.returning}
-        ), logged AS (
-            INSERT INTO {d["table"]} ({update.log_columns})
-            SELECT claimed.{o["id"]}, claimed.{o["fence_token"]}, {update.log_values}
-            FROM claimed RETURNING {d["id"]}
-        )
-        SELECT claimed.*, logged.{d["id"]} FROM claimed, logged
-    """
-    savepoint = contextlib.nullcontext() if own_transaction else transaction.atomic(using=db)
-    with savepoint, connection.cursor() as cursor:
-        cursor.execute(sql, [*update.assignment_params, *update.condition_params, *update.log_params])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    outcome_id, attempts, token, log_id = row
-    return outcome_id, attempts, token, log_id
+    sql = statements.claim_sql(connection, fenced, own_transaction).update
+    if own_transaction:
+        return statements.run_as_health_check(connection, sql, [*update, *log])
+    with transaction.atomic(using=db), statements.cursor(connection) as cursor:
+        cursor.execute(sql, [*update, *log])
+        return cursor.fetchone()
 
 
-def _run_claim_sqlite(db: str, connection, update: _ClaimStatement) -> tuple | None:
+def _run_claim_sqlite(db: str, connection, fenced: bool, update: list, log: list) -> tuple | None:
     """The claim, then its log row, in one ``IMMEDIATE`` transaction written to the WAL without an fsync."""
-    o, d = update.o, update.d
-    table, returning = o["table"], update.returning
-    sql = f"UPDATE {table} SET {update.assignments} WHERE {update.conditions} RETURNING {returning}"
+    sql = statements.claim_sql(connection, fenced, own_transaction=True)
     with _without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
-        cursor.execute(sql, [*update.assignment_params, *update.condition_params])
+        cursor.execute(sql.update, update)
         row = cursor.fetchone()
         if row is None:
             return None
         outcome_id, attempts, token = row
-        cursor.execute(
-            f"INSERT INTO {d['table']} ({update.log_columns}) VALUES (%s, %s, {update.log_values})",
-            [outcome_id, token, *update.log_params],
-        )
+        cursor.execute(sql.log_insert, [outcome_id, token, *log])
         return outcome_id, attempts, token, cursor.lastrowid
 
 
@@ -532,18 +419,17 @@ def commit(
     conditional update refuses either way.
     """
     db = _db()
-    rows = TaskOutcome.objects.using(db).filter(pk=claim.outcome_id)
     with transaction.atomic(using=db):
         if not just_claimed:
-            status, token = rows.values_list("status", "fence_token").get()
-            refusal = _refusal(claim, status, token)
+            refusal = _refusal(claim, *_state_of(claim))
             if refusal is not None:
                 raise refusal
         result = body()
         stored = jsonable(result)
-        if not _mark_succeeded(claim, stored, timezone.now()):
-            status, token = rows.values_list("status", "fence_token").get()
-            raise _refusal(claim, status, token) or DeliveryRefused(
+        with _alone_if_nothing_written(db):
+            succeeded = _mark_succeeded(claim, stored, timezone.now())
+        if not succeeded:
+            raise _refusal(claim, *_state_of(claim)) or DeliveryRefused(
                 Verdict.REFUSED_STALE, "the conditional success update matched no row"
             )
         if cache_success:
@@ -551,65 +437,66 @@ def commit(
     return result
 
 
-def _mark_succeeded(claim: Claim, stored: Any, now: datetime) -> bool:
-    """Mark the claim's row succeeded if its token and status are still the claim's; log it executed.
+@contextlib.contextmanager
+def _alone_if_nothing_written(db: str) -> Iterator[None]:
+    """Let the success commit on its own if the body sent nothing to the database (PostgreSQL).
 
-    On PostgreSQL both updates are one statement; whether the row matched is returned.
+    Django's ``atomic`` opens the transaction lazily: psycopg sends ``BEGIN``
+    with the first statement. A body that ran no statement (its effects are
+    elsewhere: a payment API called with the key) leaves no transaction open,
+    so its success is one synchronous autocommit statement instead of
+    ``BEGIN``, the statement and ``COMMIT``: the same commit, two round trips
+    fewer. Only for the outermost block: inside a caller's transaction the
+    success belongs to it. Django's query log still shows the block's
+    ``BEGIN`` and ``COMMIT``; psycopg sends neither.
     """
-    db = _db()
     connection = connections[db]
-    if connection.vendor != "postgresql":
-        updated = (
-            TaskOutcome.objects.using(db)
-            .filter(pk=claim.outcome_id, fence_token=claim.token, status=Status.RUNNING)
-            .update(
-                status=Status.SUCCEEDED,
-                result=stored,
-                error="",
-                traceback="",
-                finished_at=now,
-                lease_deadline=None,
-                updated_at=now,
-            )
+    raw = connection.connection
+    outermost = len(connection.atomic_blocks) == 1 and not connection.savepoint_ids
+    if connection.vendor != "postgresql" or raw is None or not outermost or _transaction_open(raw):
+        yield
+        return
+    raw.autocommit = True
+    try:
+        yield
+    finally:
+        raw.autocommit = False
+
+
+def _transaction_open(raw) -> bool:
+    """Whether psycopg has begun a transaction on the server (``BEGIN`` sent)."""
+    from psycopg import pq
+
+    return raw.info.transaction_status != pq.TransactionStatus.IDLE
+
+
+def _state_of(claim: Claim) -> tuple[str, int]:
+    """The claim's row as it stands: its status and token."""
+    return TaskOutcome.objects.using(_db()).values_list("status", "fence_token").get(pk=claim.outcome_id)
+
+
+def _mark_succeeded(claim: Claim, stored: Any, now: datetime) -> bool:
+    """Mark the claim's row succeeded if its token and status are still the claim's; log it executed."""
+    connection = connections[_db()]
+    if connection.vendor in ("postgresql", "sqlite"):
+        return statements.mark_succeeded(connection, claim.outcome_id, claim.token, claim.log_id, stored, now)
+    updated = (
+        TaskOutcome.objects.using(_db())
+        .filter(pk=claim.outcome_id, fence_token=claim.token, status=Status.RUNNING)
+        .update(
+            status=Status.SUCCEEDED,
+            result=stored,
+            error="",
+            traceback="",
+            finished_at=now,
+            lease_deadline=None,
+            updated_at=now,
         )
-        if updated == 1:
-            TaskDelivery.objects.using(db).filter(pk=claim.log_id).update(
-                verdict=Verdict.EXECUTED, finished_at=now
-            )
-        return updated == 1
-    ops = connection.ops
-    o = _quoted(TaskOutcome, *_OUTCOME_COLUMNS)
-    d = _quoted(TaskDelivery, *_DELIVERY_COLUMNS)
-    stamp = ops.adapt_datetimefield_value(now)
-    sql = f"""
-        WITH done AS (
-            UPDATE {o["table"]} SET {o["status"]} = %s, {o["result"]} = %s, {o["error"]} = '',
-                {o["traceback"]} = '', {o["finished_at"]} = %s, {o["lease_deadline"]} = NULL,
-                {o["updated_at"]} = %s
-            WHERE {o["id"]} = %s AND {o["fence_token"]} = %s AND {o["status"]} = %s
-            RETURNING {o["id"]}
-        ), logged AS (
-            UPDATE {d["table"]} SET {d["verdict"]} = %s, {d["finished_at"]} = %s
-            WHERE {d["id"]} = %s AND EXISTS (SELECT 1 FROM done)
-            RETURNING {d["id"]}
+    )
+    if updated == 1:
+        TaskDelivery.objects.using(_db()).filter(pk=claim.log_id).update(
+            verdict=Verdict.EXECUTED, finished_at=now
         )
-        SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM logged)
-    """
-    params = [
-        Status.SUCCEEDED,
-        None if stored is None else ops.adapt_json_value(stored, DjangoJSONEncoder),
-        stamp,
-        stamp,
-        claim.outcome_id,
-        claim.token,
-        Status.RUNNING,
-        Verdict.EXECUTED,
-        stamp,
-        claim.log_id,
-    ]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        updated, _ = cursor.fetchone()
     return updated == 1
 
 
@@ -683,7 +570,7 @@ def record_cached_duplicate(key: str, delivery: DeliveryInfo) -> None:
         TaskDelivery.objects.using(_db()).create(
             outcome_id=outcome_id,
             fence_token=delivery.token or 0,
-            token_source=_source(delivery),
+            token_source=statements.source(delivery),
             verdict=Verdict.SUPPRESSED_DUPLICATE,
             detail="key already succeeded (cache)",
             started_at=now,

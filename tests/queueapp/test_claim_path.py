@@ -9,10 +9,13 @@ match is still decided under the row lock. The durability argument is in
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import uuid
+from collections.abc import Iterator
 
 import pytest
-from django.db import connection, transaction
+from django.db import close_old_connections, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from broker_ext.records import Delivery
@@ -157,3 +160,95 @@ def test_a_transaction_left_open_between_two_tasks_is_closed_not_kept(effects):
     finally:
         leaked.__exit__(None, None, None)
     assert TaskOutcome.objects.count() == 0  # the leaked block's writes were rolled back
+
+
+def test_a_row_recorded_without_its_arguments_gets_the_deliverys_and_others_keep_theirs(effects):
+    bare, recorded = str(uuid.uuid4()), queued(args=["kept"])
+    ledger.ensure_queued(bare, demo_tasks.effect.name, args=[], kwargs={}, queue="celery", task_id=bare)
+    for key, args in ((bare, ["given"]), (recorded, ["other"])):
+        claim = ledger.claim(key, delivery(key, 7), args=args, kwargs={"k": 1}, lease_seconds=30)
+        assert isinstance(claim, ledger.Claim)
+    assert TaskOutcome.objects.get(idempotency_key=bare).args == ["given"]
+    assert TaskOutcome.objects.get(idempotency_key=bare).kwargs == {"k": 1}
+    assert TaskOutcome.objects.get(idempotency_key=recorded).args == ["kept"]
+
+
+@contextlib.contextmanager
+def wire() -> Iterator[list[str]]:
+    """What the client sends PostgreSQL inside the block, one protocol message a line (libpq's trace)."""
+    connection.ensure_connection()
+    sent: list[str] = []
+    with tempfile.TemporaryFile() as trace:
+        connection.connection.pgconn.trace(trace.fileno())
+        try:
+            yield sent
+        finally:
+            connection.connection.pgconn.untrace()
+            trace.seek(0)
+            sent += [line.split("\t", 2)[2] for line in trace.read().decode().splitlines() if "\tF\t" in line]
+
+
+def frontend(sent: list[str], kind: str) -> list[str]:
+    return [message for message in sent if message.split("\t")[1].startswith(kind)]
+
+
+postgres_only = pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's wire protocol")
+
+
+@postgres_only
+def test_a_body_that_sent_nothing_commits_its_success_alone_and_the_statements_stay_prepared(effects):
+    keys = [queued(), queued()]
+    traces = []
+    for token, key in enumerate(keys, start=7):
+        with wire() as sent:
+            claim = ledger.claim(key, delivery(key, token), args=["x"], kwargs={}, lease_seconds=30)
+            ledger.commit(claim, lambda: "external effect only", just_claimed=True)
+        traces.append(sent)
+        assert TaskOutcome.objects.get(idempotency_key=key).status == TaskOutcome.Status.SUCCEEDED
+    for sent in traces:
+        assert not [query for query in frontend(sent, "Query") if "BEGIN" in query or "COMMIT" in query], sent
+        assert len(frontend(sent, "Execute")) == 2  # the claim, the success: two round trips
+    assert not frontend(traces[1], "Parse"), traces[1]  # prepared by the first task, reused by the second
+
+
+@postgres_only
+def test_a_body_that_writes_commits_them_with_its_success_in_one_transaction(effects):
+    key = queued()
+    with wire() as sent:
+        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        ledger.commit(claim, lambda: demo_tasks.record_effect("x"), just_claimed=True)
+    queries = frontend(sent, "Query")
+    assert any("BEGIN" in query for query in queries) and any("COMMIT" in query for query in queries), sent
+    assert [row[0] for row in effects()] == ["x"]
+
+
+def test_inside_a_callers_transaction_a_success_that_wrote_nothing_stays_in_it(effects):
+    key = queued()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        ledger.commit(claim, lambda: None, just_claimed=True)
+        raise RuntimeError("the caller rolls back")
+    assert TaskOutcome.objects.get(idempotency_key=key).status == TaskOutcome.Status.QUEUED
+
+
+@postgres_only
+def test_the_claim_is_the_health_check_and_a_dropped_connection_is_replaced(effects):
+    """After a task boundary the claim goes first, without ``SELECT 1``; a dead connection is replaced."""
+    import psycopg
+
+    assert connection.health_check_enabled
+    key = queued()
+    close_old_connections()  # a task boundary: the next statement would be health-checked
+    with wire() as sent:
+        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(claim, ledger.Claim)
+    assert not [query for query in frontend(sent, "Query") if "SELECT 1" in query], sent
+
+    key = queued()
+    close_old_connections()
+    victim = connection.connection.info.backend_pid
+    with psycopg.connect(**connection.get_connection_params()) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [victim])
+    claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(claim, ledger.Claim) and claim.token == 8
+    assert connection.connection.info.backend_pid != victim
