@@ -205,19 +205,28 @@ def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
         token_sql, token_condition = f"{o['fence_token']} + 1", ""
     # A row recorded without its arguments (by an older publish) gets the delivery's.
     unrecorded = f"{o['args']} = '[]' AND {o['kwargs']} = '{{}}'"
+    # The delivery's queue, if it has one. SQLite rewrites an index whenever its column is
+    # assigned, even to its own value: there a different queue goes to the locked path instead.
+    queue_assignment, queue_condition = (
+        f", {o['queue']} = CASE WHEN %s = '' THEN {o['queue']} ELSE %s END",
+        "",
+    )
+    if vendor == "sqlite":
+        queue_assignment, queue_condition = "", f"AND (%s = '' OR {o['queue']} = %s)"
     assignments = f"""
         {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = %s,
         {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
         {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
-        {o["queue"]} = CASE WHEN %s = '' THEN {o["queue"]} ELSE %s END,
         {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
         {o["finished_at"]} = NULL, {o["lease_deadline"]} = %s, {o["updated_at"]} = %s,
         {o["args"]} = CASE WHEN {unrecorded} THEN %s ELSE {o["args"]} END,
         {o["kwargs"]} = CASE WHEN {unrecorded} THEN %s ELSE {o["kwargs"]} END
+        {queue_assignment}
     """
     conditions = f"""
         {o["idempotency_key"]} = %s AND {o["status"]} IN (%s, %s, %s) {token_condition}
         AND NOT ({o["task_id"]} = %s AND {o["status"]} IN (%s, %s) AND {o["retries"]} > %s)
+        {queue_condition}
     """
     returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
     log_columns = ", ".join(d[name] for name in _LOG_COLUMNS)
@@ -266,12 +275,17 @@ def claim_params(
     deadline = ops.adapt_datetimefield_value(deadline)
     given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
     given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
-    update = [
-        *token, delivery.retries, Status.RUNNING, worker, task_id, message_id, queue, queue,
+    assignments = [
+        *token, delivery.retries, Status.RUNNING, worker, task_id, message_id,
         stamp, stamp, deadline, stamp, given_args, given_kwargs,
+    ]  # fmt: skip
+    conditions = [
         key, Status.QUEUED, Status.RUNNING, Status.FAILED, *token,
         task_id, Status.QUEUED, Status.RUNNING, delivery.retries,
     ]  # fmt: skip
+    queue_in_set = connection.vendor != "sqlite"  # see _claim_sql
+    update = [*assignments, *([queue, queue] if queue_in_set else []), *conditions]
+    update += [] if queue_in_set else [queue, queue]
     log = [
         source(delivery), Verdict.STARTED, "", delivery.delivery_count, delivery.retries,
         worker, task_id, message_id, queue, stamp, deadline,

@@ -252,3 +252,11 @@ def test_the_claim_is_the_health_check_and_a_dropped_connection_is_replaced(effe
     claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
     assert isinstance(claim, ledger.Claim) and claim.token == 8
     assert connection.connection.info.backend_pid != victim
+
+
+def test_a_delivery_from_another_queue_than_recorded_is_claimed_and_records_its_queue(effects):
+    key = queued()  # recorded as published to "celery"
+    moved = DeliveryInfo(**{**delivery(key, 7).__dict__, "queue": "elsewhere"})
+    claim = ledger.claim(key, moved, args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(claim, ledger.Claim) and claim.token == 7
+    assert TaskOutcome.objects.get(idempotency_key=key).queue == "elsewhere"
