@@ -17,6 +17,10 @@ Two transactions per delivery that runs, one of them synchronous:
 Every later write to an outcome row is conditional on the writer's token, so a
 delivery that lost the key can never overwrite the state of the one that owns it.
 
+The common path's SQL (the queued record, the common claim, the success) is
+written once in :mod:`queueapp.statements`; this module decides when each
+runs and in which transaction.
+
 Without a broker token (eager mode, the stock ``redis://`` transport) the
 token is the database's own counter: the stored token plus one, assigned under
 the row lock. The latest delivery to start then owns the key, as with fenced
