@@ -112,7 +112,7 @@ class _Writer:
                 self._written(len(batch))
 
     def _next_batch(self, idle_timeout: float | None) -> list[tuple[float, tuple]] | None:
-        """Wait until a batch is due and take it; ``None`` after ``idle_timeout`` seconds with nothing buffered."""
+        """Wait until a batch is due and take it; ``None`` after ``idle_timeout`` s with nothing buffered."""
         self._read_settings()
         with self.changed:
             while True:
@@ -214,7 +214,7 @@ _creating = threading.Lock()
 
 
 def _current() -> _Writer:
-    """This process's writer, started on first use (a forked child, Celery's or gunicorn's, starts its own)."""
+    """This process's writer, started on first use (a forked child, prefork or gunicorn, starts its own)."""
     global _writer
     writer = _writer
     if writer is not None and writer.pid == os.getpid():
@@ -274,6 +274,7 @@ def pending() -> int:
 def _flush_at_exit() -> None:
     if pending() and not flush(_EXIT_WAIT):
         logger.warning(
-            "%d queued records were not written before exit; the workers create their rows when they claim them",
+            "%d queued records were not written before exit; the workers create their rows when they "
+            "claim them",
             pending(),
         )

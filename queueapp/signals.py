@@ -17,8 +17,8 @@ from celery.signals import (
     task_postrun,
     task_prerun,
     worker_init,
-    worker_ready,
     worker_process_shutdown,
+    worker_ready,
     worker_shutdown,
 )
 from django.db import DatabaseError, close_old_connections, connections
