@@ -65,14 +65,14 @@ class _Writer:
         self.thread.start()
 
     def _read_settings(self) -> None:
-        """Read again before each batch, so a changed setting applies to the next one."""
+        """Read again whenever the thread wakes, so a changed setting applies to the next batch."""
         self.batch_size = max(1, int(conf.get("QUEUED_BATCH_SIZE")))
-        self.limit = max(self.batch_size, int(conf.get("QUEUED_BUFFER_LIMIT")))
+        self.limit = max(1, int(conf.get("QUEUED_BUFFER_LIMIT")))
         self.delay = float(conf.get("QUEUED_WRITE_DELAY"))
 
     def append(self, fields: tuple) -> None:
         with self.changed:
-            if len(self.rows) >= self.limit:
+            if self.appended - self.settled >= self.limit:  # Buffered or being written.
                 self.refused += 1
                 return
             self.rows.append((time.monotonic(), fields))
@@ -113,9 +113,9 @@ class _Writer:
 
     def _next_batch(self, idle_timeout: float | None) -> list[tuple[float, tuple]] | None:
         """Wait until a batch is due and take it; ``None`` after ``idle_timeout`` s with nothing buffered."""
-        self._read_settings()
         with self.changed:
             while True:
+                self._read_settings()
                 now = time.monotonic()
                 if not self.rows:
                     if not self.changed.wait(idle_timeout) and not self.rows:
@@ -132,40 +132,33 @@ class _Writer:
                 self.changed.wait(due - now)
 
     def _written(self, count: int) -> None:
+        self._report_refused()  # Before the flush waiting on these records returns.
         with self.changed:
             self.settled += count
             self.attempts, self.retry_at = 0, 0.0
-            refused, self.refused = self.refused, 0
             self.changed.notify_all()
-        if refused:
-            logger.warning(
-                "%d publishes were not recorded as queued (more than %d records waited to be written); "
-                "the workers create their rows when they claim them",
-                refused,
-                self.limit,
-            )
 
     def _failed(self, batch: list[tuple[float, tuple]], exc: Exception) -> None:
         _close_connection()  # Likely broken: the next attempt opens a new one.
         with self.changed:
             self.attempts += 1
-            if self.attempts < _ATTEMPTS:
-                wait = _FIRST_RETRY_WAIT * 2 ** (self.attempts - 1)
+            attempt, wait = self.attempts, _FIRST_RETRY_WAIT * 2 ** (self.attempts - 1)
+            if attempt < _ATTEMPTS:
                 self.retry_at = time.monotonic() + wait
                 self.rows.extendleft(reversed(batch))
-                logger.warning(
-                    "could not write %d queued records (attempt %d of %d, next in %.1f s): %r",
-                    len(batch),
-                    self.attempts,
-                    _ATTEMPTS,
-                    wait,
-                    exc,
-                )
-                return
-            self.attempts, self.retry_at = 0, 0.0
-            self.settled += len(batch)
-            self.dropped += len(batch)
-            self.changed.notify_all()
+            else:
+                self.attempts, self.retry_at = 0, 0.0
+        self._report_refused()
+        if attempt < _ATTEMPTS:
+            logger.warning(
+                "could not write %d queued records (attempt %d of %d, next in %.1f s): %r",
+                len(batch),
+                attempt,
+                _ATTEMPTS,
+                wait,
+                exc,
+            )
+            return
         logger.warning(
             "dropped %d queued records after %d failed writes (%r); the workers create their rows when "
             "they claim them",
@@ -173,6 +166,21 @@ class _Writer:
             _ATTEMPTS,
             exc,
         )
+        with self.changed:
+            self.settled += len(batch)
+            self.dropped += len(batch)
+            self.changed.notify_all()
+
+    def _report_refused(self) -> None:
+        with self.changed:
+            refused, self.refused = self.refused, 0
+        if refused:
+            logger.warning(
+                "%d publishes were not recorded as queued (more than %d records waited to be written); "
+                "the workers create their rows when they claim them",
+                refused,
+                self.limit,
+            )
 
 
 def _close_connection() -> None:
@@ -207,6 +215,7 @@ def _write(rows: list[tuple]) -> None:
     with ledger._without_own_sync(db), transaction.atomic(using=db):
         ledger._without_own_flush(db)
         TaskOutcome.objects.using(db).bulk_create(outcomes, ignore_conflicts=True)
+    connections[db].queries_log.clear()  # With DEBUG on, nobody else would empty this thread's log.
 
 
 _writer: _Writer | None = None
