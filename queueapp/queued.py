@@ -31,7 +31,7 @@ import time
 from collections import deque
 from datetime import datetime
 
-from django.db import connections, transaction
+from django.db import DataError, IntegrityError, connections, transaction
 from django.utils import timezone
 
 from queueapp import conf, ledger
@@ -99,14 +99,19 @@ class _Writer:
     def _run(self) -> None:
         idle = False
         while True:
-            batch = self._next_batch(None if idle else _IDLE_CLOSE)
+            try:
+                batch = self._next_batch(None if idle else _IDLE_CLOSE)
+            except Exception as exc:  # A setting that does not read (a typo): the thread stays, and says so.
+                logger.warning("queued records are not written: %r", exc)
+                time.sleep(_IDLE_CLOSE)
+                continue
             idle = batch is None
             if idle:
                 _close_connection()  # Nothing to write for a while: give the connection back.
                 continue
             try:
                 _write([fields for _, fields in batch])
-            except Exception as exc:  # Whatever the database says, the thread must go on.
+            except Exception as exc:  # Whatever the database says, the thread must go on: retried.
                 self._failed(batch, exc)
             else:
                 self._written(len(batch))
@@ -212,10 +217,41 @@ def _write(rows: list[tuple]) -> None:
         )
         for key, task_name, args, kwargs, queue, task_id, eta, now in rows
     ]
+    try:
+        _insert(db, outcomes)
+    except _BAD_RECORD:
+        _insert_each(db, outcomes)
+    finally:
+        connections[db].queries_log.clear()  # With DEBUG on, nobody else would empty this thread's log.
+
+
+# What a record's own data causes (not JSON, too long for a column), unlike a database that is down.
+_BAD_RECORD = (TypeError, ValueError, DataError, IntegrityError)
+
+
+def _insert(db: str, outcomes: list[TaskOutcome]) -> None:
     with ledger._without_own_sync(db), transaction.atomic(using=db):
         ledger._without_own_flush(db)
         TaskOutcome.objects.using(db).bulk_create(outcomes, ignore_conflicts=True)
-    connections[db].queries_log.clear()  # With DEBUG on, nobody else would empty this thread's log.
+
+
+def _insert_each(db: str, outcomes: list[TaskOutcome]) -> None:
+    """One record the database cannot take must not take its batch down with it: write them one by one."""
+    refused: list[tuple[str, Exception]] = []
+    for outcome in outcomes:
+        try:
+            _insert(db, [outcome])
+        except _BAD_RECORD as exc:
+            refused.append((outcome.idempotency_key, exc))
+    if refused:
+        key, exc = refused[0]
+        logger.warning(
+            "%d queued records could not be stored (the first: %s, %r); the workers create their rows "
+            "when they claim them",
+            len(refused),
+            key[:100],
+            exc,
+        )
 
 
 _writer: _Writer | None = None

@@ -139,6 +139,21 @@ def test_the_write_does_not_join_the_publishing_callers_transaction(settings, ef
     assert effects() == []
 
 
+def test_a_record_the_database_cannot_take_does_not_take_its_batch_down(settings, caplog):
+    settings.QUEUEAPP = {"QUEUED_WRITE_DELAY": 60.0}
+    caplog.set_level(logging.WARNING, logger="queueapp.queued")
+    good = [str(uuid.uuid4()) for _ in range(3)]
+    queued.record(good[0], demo_tasks.effect.name, args=[], kwargs={})
+    queued.record("not json", demo_tasks.effect.name, args=[object()], kwargs={})
+    queued.record("k" * 300, demo_tasks.effect.name, args=[], kwargs={})  # Longer than the column.
+    queued.record(good[1], demo_tasks.effect.name, args=[], kwargs={})
+    queued.record(good[2], demo_tasks.effect.name, args=[], kwargs={})
+    assert queued.flush(timeout=10)
+    assert rows(good) == 3
+    expected = 2 if connection.vendor == "postgresql" else 1  # SQLite does not enforce a column's length.
+    assert f"{expected} queued records could not be stored (the first: not json" in caplog.text
+
+
 def test_a_delay_of_zero_writes_the_record_in_the_publish(settings):
     settings.QUEUEAPP = {"QUEUED_WRITE_DELAY": 0}
     result = demo_tasks.effect.delay("now")
