@@ -40,6 +40,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
     The record is buffered and written in bulk within ``QUEUED_WRITE_DELAY``
     seconds (:mod:`queueapp.queued`); with a delay of ``0`` it is written here,
     in the caller's transaction if one is open.
+
     A retry (``retries > 0``) is an attempt of a key already recorded, and must
     not be deduplicated against its own first publish.
     """
