@@ -21,8 +21,10 @@ from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
+from broker_ext.records import Delivery
 from lab.processes import REPO, database_url_for_workers, wait_for
-from queueapp import queued
+from queueapp import ledger, queued
+from queueapp.delivery import DeliveryInfo
 from queueapp.models import TaskOutcome
 from tests.queueapp import demo_tasks
 
@@ -121,6 +123,26 @@ def test_a_late_queued_record_leaves_a_claimed_row_alone(status):
         earlier,
     )
     assert TaskOutcome.objects.filter(idempotency_key=key).count() == 1
+
+
+def test_a_worker_that_claims_before_the_record_is_written_keeps_its_claim(settings):
+    """The claim's locked path creates the missing row; the queued record written after it changes nothing."""
+    settings.QUEUEAPP = {"QUEUED_WRITE_DELAY": 60.0}
+    result = demo_tasks.effect.delay("claimed first")
+    delivery = DeliveryInfo(
+        task_id=result.id,
+        task_name=demo_tasks.effect.name,
+        retries=0,
+        broker=Delivery("celery", f"{result.id}.0", 9, 1),
+        queue="celery",
+        message_id=f"{result.id}.0",
+        worker="w",
+    )
+    claim = ledger.claim(result.id, delivery, args=["claimed first"], kwargs={}, lease_seconds=30)
+    assert claim.token == 9
+    assert queued.flush(timeout=10)
+    row = TaskOutcome.objects.get(idempotency_key=result.id)
+    assert (row.status, row.fence_token, row.attempts, row.deliveries) == (Status.RUNNING, 9, 1, 1)
 
 
 def test_the_write_does_not_join_the_publishing_callers_transaction(settings, effects):
