@@ -25,6 +25,16 @@ Every value is looked up when it is used, never at import time, so tests
     transaction mode that does not keep prepared statements (PgBouncer before
     1.21, or ``max_prepared_statements = 0``); a process that meets a lost
     prepared statement stops preparing by itself and logs an error.
+``QUEUED_WRITE_DELAY`` (``0.2``)
+    Seconds a *queued* record may wait in the publishing process before it is
+    written together with others (:mod:`queueapp.queued`): one multi-row
+    insert per batch instead of one statement per publish. ``0`` writes it in
+    the publish itself (inside the caller's transaction, if one is open).
+``QUEUED_BATCH_SIZE`` (``500``)
+    Records that are written at once, without waiting for the delay.
+``QUEUED_BUFFER_LIMIT`` (``20000``)
+    Most records a process keeps while the database cannot be written; publishes
+    beyond it are not recorded as queued (logged; the worker creates the row).
 ``DEFER_MAX_DELAY`` (``60.0``)
     Longest wait of a delivery given back while the database is unreachable: the
     wait doubles from ``DEFER_DELAY`` with each delivery of the message, and a
@@ -104,6 +114,9 @@ DEFAULTS: dict[str, Any] = {
     "AUDIT_CACHED_DUPLICATES": True,
     "RECORD_QUEUED": True,
     "PREPARED_STATEMENTS": True,
+    "QUEUED_WRITE_DELAY": 0.2,
+    "QUEUED_BATCH_SIZE": 500,
+    "QUEUED_BUFFER_LIMIT": 20000,
     "DEFER_DELAY": 1.0,
     "DEFER_MAX_DELAY": 60.0,
     "LEASE_TIMEOUT": None,

@@ -17,6 +17,7 @@ from celery.signals import (
     task_postrun,
     task_prerun,
     worker_init,
+    worker_process_shutdown,
     worker_ready,
     worker_shutdown,
 )
@@ -25,7 +26,7 @@ from django.utils.dateparse import parse_datetime
 
 from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
 from broker_ext.signals import message_dead_lettered
-from queueapp import conf, dead_letters, ledger
+from queueapp import conf, dead_letters, ledger, queued
 from queueapp.decorators import ack_only_with_a_verdict, policy_of
 from queueapp.ops.series import sample_periodically
 from queueapp.outbox import RECORDED_HEADER, relay_outbox
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 def on_before_task_publish(sender=None, body=None, headers=None, routing_key=None, **_) -> None:
     """Record an exactly-once publish as *queued*; ask the broker to dedup equal keys if configured.
+
+    The record is buffered and written in bulk within ``QUEUED_WRITE_DELAY``
+    seconds (:mod:`queueapp.queued`); with a delay of ``0`` it is written here,
+    in the caller's transaction if one is open.
 
     A retry (``retries > 0``) is an attempt of a key already recorded, and must
     not be deduplicated against its own first publish.
@@ -56,8 +61,9 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
     if conf.get("RECORD_QUEUED") and not recorded:
         eta = headers.get("eta")
+        record = queued.record if conf.get("QUEUED_WRITE_DELAY") else ledger.ensure_queued
         try:
-            ledger.ensure_queued(
+            record(
                 key,
                 sender,
                 args=list(args),
@@ -180,6 +186,11 @@ def on_worker_shutdown(**_) -> None:
         _threads.pop().stop()
 
 
+def on_worker_process_shutdown(**_) -> None:
+    """A prefork child leaves with ``os._exit`` (no ``atexit``): write its buffered queued records first."""
+    queued.flush(2.0)
+
+
 def connect() -> None:
     before_task_publish.connect(on_before_task_publish, weak=False, dispatch_uid="queueapp.before_publish")
     worker_init.connect(on_worker_init, weak=False, dispatch_uid="queueapp.worker_init")
@@ -187,6 +198,9 @@ def connect() -> None:
     task_postrun.connect(on_task_boundary, weak=False, dispatch_uid="queueapp.task_postrun")
     worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="queueapp.worker_ready")
     worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="queueapp.worker_shutdown")
+    worker_process_shutdown.connect(
+        on_worker_process_shutdown, weak=False, dispatch_uid="queueapp.worker_process_shutdown"
+    )
     message_dead_lettered.connect(
         on_message_dead_lettered, weak=False, dispatch_uid="queueapp.message_dead_lettered"
     )

@@ -18,7 +18,7 @@ from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue, QueueOptions
 from broker_ext.records import Claimed
 from lab.processes import wait_for
-from queueapp import broker, ledger
+from queueapp import broker, ledger, queued
 from queueapp.decorators import policy_of
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import DeliveryRefused
@@ -42,7 +42,9 @@ class Published:
 
 
 def publish(task, *args, **options) -> Published:
+    """Publish ``task`` and wait until its *queued* record is written (the scenarios read it at once)."""
     result = task.apply_async(args, **options)
+    assert queued.flush(), "the queued record was not written"
     key = policy_of(task).key_for(args, {}, result.id)
     return Published(result.id, key, f"{result.id}.0")
 

@@ -9,7 +9,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from broker_ext.queue import FencedQueue
-from queueapp import conf, exactly_once
+from queueapp import conf, exactly_once, queued
 from queueapp.errors import ConfigurationError
 from queueapp.models import TaskOutcome
 from tests.queueapp import demo_tasks
@@ -54,4 +54,5 @@ def test_a_dedup_window_drops_the_second_publish_at_the_broker(redis_server, red
     first, second = demo_tasks.refund.delay(3), demo_tasks.refund.delay(3)
     assert first.id != second.id
     assert queue.stats().ready == 1
+    assert queued.flush()  # Both records in one batch: the first one's row stays.
     assert TaskOutcome.objects.get(idempotency_key="refund:3").task_id == first.id

@@ -17,6 +17,7 @@ from django.core.management import call_command
 from broker_ext.queue import FencedQueue
 from broker_ext.records import Place
 from lab.processes import wait_for
+from queueapp import queued
 from queueapp.dead_letters import reconcile
 from queueapp.models import TaskDelivery, TaskOutcome
 from tests.queueapp import demo_tasks
@@ -33,6 +34,7 @@ def outcome(key: str) -> TaskOutcome:
 def published(queue: FencedQueue, label: str) -> str:
     """Publish one demo task through Celery; its task id (the key)."""
     result = demo_tasks.effect.delay(label)
+    assert queued.flush()  # Its queued row is written, as the tests below start from it.
     assert queue.locate([f"{result.id}.0"])[f"{result.id}.0"].place is Place.READY
     return result.id
 
@@ -118,6 +120,7 @@ def test_a_worker_that_dead_letters_after_repeated_hard_time_limits_marks_the_ro
     """Point 1 and point 4 together: the hard time limit requeues (counted) until the broker gives up."""
     worker = start_worker(pool="prefork", concurrency=1, FENCED_MAX_DELIVERIES="2")
     result = demo_tasks.effect.apply_async(("always too slow",), {"sleep": 60}, time_limit=1)
+    assert queued.flush()
     assert wait_for(lambda: outcome(result.id).status == Status.DEAD, timeout=90), worker.output()[-4000:]
     row = outcome(result.id)
     assert "out of deliveries" in row.error, row.error

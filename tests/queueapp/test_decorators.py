@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 
+from queueapp import queued
 from queueapp.errors import ConfigurationError, IdempotencyKeyError
 from queueapp.models import TaskDelivery, TaskOutcome
 from tests.queueapp import demo_tasks
@@ -147,6 +148,7 @@ def test_publishing_records_the_key_as_queued(effects, redis_server, redis_db):
     from broker_ext.queue import FencedQueue
 
     demo_tasks.charge.delay(41, 5)
+    assert queued.flush()  # Written in bulk within QUEUED_WRITE_DELAY; flush() reads our own writes.
     outcome = TaskOutcome.objects.get(idempotency_key="charge:41")
     assert outcome.status == TaskOutcome.Status.QUEUED
     assert (outcome.args, outcome.queue) == ([41, 5], "celery")

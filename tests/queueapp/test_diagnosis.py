@@ -16,7 +16,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from queueapp import ledger
+from queueapp import ledger, queued
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 from queueapp.ops import actions
 from queueapp.ops.diagnosis import BrokerRecords, Cause, diagnose, diagnose_outcome, diagnose_outcomes
@@ -85,6 +85,7 @@ def test_an_operators_requeue_names_who_and_from_where(queue, effects):
 def test_a_publish_sent_twice_is_absorbed_by_the_brokers_dedup(queue, effects):
     first = demo_tasks.refund.delay(88)
     second = demo_tasks.refund.delay(88)
+    assert queued.flush()
     (finding,) = findings("refund:88")
     assert finding.cause is Cause.DEDUPLICATED
     assert f"(message {second.id}.0)" in finding.sentence and f"message {first.id}.0 held" in finding.sentence

@@ -15,6 +15,7 @@ import pytest
 from broker_ext.queue import FencedQueue
 from broker_ext.records import MessageState, Place
 from lab.processes import wait_for
+from queueapp import queued
 from queueapp.models import TaskOutcome
 from tests.helpers import reset_connections
 from tests.queueapp import demo_tasks
@@ -124,6 +125,7 @@ def test_a_delivery_killed_by_the_hard_time_limit_goes_back_to_the_broker(effect
 def test_a_soft_time_limit_is_a_failure_for_good_recorded_before_the_ack(effects, start_worker, queue):
     worker = start_worker(pool="prefork", concurrency=1, lease_timeout=LEASE)
     result = demo_tasks.effect.apply_async(("soft",), {"sleep": 30}, soft_time_limit=1)
+    assert queued.flush()  # The row is there from the start: the wait below reads it.
     message_id = f"{result.id}.0"
     assert wait_for(
         lambda: TaskOutcome.objects.get(idempotency_key=result.id).status == TaskOutcome.Status.FAILED,

@@ -13,6 +13,7 @@ from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage, Place
 from lab.processes import wait_for
+from queueapp import queued
 from queueapp.errors import BrokerUnavailable
 from queueapp.execution import execute
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
@@ -248,6 +249,7 @@ def test_the_duplicates_report_groups_suppressed_deliveries_and_deduplicated_pub
     key = scenarios.duplicated(queue, 41)
     demo_tasks.refund.delay(5)
     demo_tasks.refund.delay(5)  # dropped by the broker: same dedup key within the window
+    assert queued.flush()
     report = reports.duplicates_report(app)
     groups = {group.key: group for group in report.groups}
     assert (groups[key].suppressed, groups[key].outcome.status) == (1, Status.SUCCEEDED)
