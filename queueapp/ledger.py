@@ -6,7 +6,7 @@ Two transactions per delivery that runs, one of them synchronous:
    higher than any the database has seen, marks the row *running* with that
    token and commits at once, so an older delivery still in flight will be
    refused when it tries to commit. On PostgreSQL that commit does not wait
-   for its own WAL flush (see :func:`_without_own_flush` for why that is safe).
+   for its own WAL flush (see :func:`without_own_flush` for why that is safe).
 2. :func:`commit` runs the body in a transaction and, in that same
    transaction, marks the success by an update that is conditional on the
    token still being the row's (PostgreSQL's ``UPDATE`` takes the row lock
@@ -124,7 +124,7 @@ def ensure_queued(
     a read then a write in a transaction of its own: the publish pays one statement.
     Outside a caller's transaction its commit does not wait for its own flush
     (PostgreSQL: ``set_config('synchronous_commit', 'off', true)`` in the same
-    statement; SQLite: :func:`_without_own_sync`): the record is for ops to see
+    statement; SQLite: :func:`without_own_sync`): the record is for ops to see
     what is queued, the next synchronous commit makes it durable, and if a
     database crash loses it before that, the worker's claim creates the row.
     """
@@ -144,7 +144,7 @@ def ensure_queued(
     if connection.vendor == "postgresql" and _own_transaction(connection):
         statements.insert_queued_without_own_flush(connection, row)
         return
-    with _without_own_sync(_db()):
+    with without_own_sync(_db()):
         TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
 
 
@@ -178,8 +178,8 @@ def claim(
         return claimed
     now = timezone.now()
     db = _db()
-    with _without_own_sync(db), transaction.atomic(using=db):
-        _without_own_flush(db)
+    with without_own_sync(db), transaction.atomic(using=db):
+        without_own_flush(db)
         outcome, _ = (
             TaskOutcome.objects.using(db)
             .select_for_update()
@@ -294,7 +294,7 @@ def _claim_common(
     transaction: on PostgreSQL in the same statement, which, outside a
     caller's transaction, is the whole transaction and commits without its
     own WAL flush (``set_config('synchronous_commit', 'off', true)``, the
-    argument of :func:`_without_own_flush`).
+    argument of :func:`without_own_flush`).
     """
     db = _db()
     connection = connections[db]
@@ -326,7 +326,7 @@ def _run_claim_postgresql(db: str, connection, fenced: bool, update: list, log: 
 def _run_claim_sqlite(db: str, connection, fenced: bool, update: list, log: list) -> tuple | None:
     """The claim, then its log row, in one ``IMMEDIATE`` transaction written to the WAL without an fsync."""
     sql = statements.claim_sql(connection, fenced, own_transaction=True)
-    with _without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
+    with without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
         cursor.execute(sql.update, update)
         row = cursor.fetchone()
         if row is None:
@@ -337,13 +337,13 @@ def _run_claim_sqlite(db: str, connection, fenced: bool, update: list, log: list
 
 
 @contextlib.contextmanager
-def _without_own_sync(db: str) -> Iterator[None]:
-    """SQLite's :func:`_without_own_flush`: the claim's commit is written to the WAL but not fsynced.
+def without_own_sync(db: str) -> Iterator[None]:
+    """SQLite's :func:`without_own_flush`: the claim's commit is written to the WAL but not fsynced.
 
     In WAL mode, ``PRAGMA synchronous = NORMAL`` appends the commit to the WAL
     file without an fsync; the next commit at FULL (the success) fsyncs the WAL
     and with it every frame before it, the claim's included, so the argument of
-    :func:`_without_own_flush` holds: a claim can be lost only by a crash of
+    :func:`without_own_flush` holds: a claim can be lost only by a crash of
     the machine, and then no later commit that depends on it is durable
     either. A process crash loses nothing (the frames are in the OS's cache).
     The pragma cannot change inside a transaction: a claim inside a caller's
@@ -372,7 +372,7 @@ def _without_own_sync(db: str) -> Iterator[None]:
                 cursor.execute(f"PRAGMA synchronous = {previous:d}")
 
 
-def _without_own_flush(db: str) -> None:
+def without_own_flush(db: str) -> None:
     """Let the claim's commit return before its WAL is flushed (PostgreSQL; inside the transaction).
 
     Safe because nothing durable depends on a claim until a synchronous commit

@@ -234,8 +234,8 @@ def _insert(db: str, rows: list[tuple]) -> None:
     """
     connection = connections[db]
     statements = _unnest if connection.vendor == "postgresql" else _values
-    with ledger._without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
-        ledger._without_own_flush(db)
+    with ledger.without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
+        ledger.without_own_flush(db)
         for sql, params in statements(connection, rows):
             cursor.execute(sql, params)
 

@@ -257,7 +257,7 @@ def claim_sql(connection, fenced: bool, own_transaction: bool) -> ClaimSQL:
     """The common claim's SQL on ``connection``'s database, for a fenced or an unfenced delivery.
 
     ``own_transaction``: the statement is its own transaction (PostgreSQL), so
-    it may commit without its own flush (:func:`queueapp.ledger._without_own_flush`).
+    it may commit without its own flush (:func:`queueapp.ledger.without_own_flush`).
     """
     names(connection)
     return _claim_sql(connection.vendor, fenced, own_transaction)

@@ -4,7 +4,7 @@ The first delivery of a queued key is claimed by one conditional statement
 (with its log row) whose commit does not wait for its own flush, and the
 success is the one synchronous commit; whatever the common path does not
 match is still decided under the row lock. The durability argument is in
-:func:`queueapp.ledger._without_own_flush` and ``_without_own_sync``.
+:func:`queueapp.ledger.without_own_flush` and ``without_own_sync``.
 """
 
 from __future__ import annotations
