@@ -457,14 +457,17 @@ def _alone_if_nothing_written(db: str) -> Iterator[None]:
     connection = connections[db]
     raw = connection.connection
     outermost = len(connection.atomic_blocks) == 1 and not connection.savepoint_ids
-    if connection.vendor != "postgresql" or raw is None or not outermost or _transaction_open(raw):
+    alone = connection.vendor == "postgresql" and raw is not None and outermost
+    # A body that asked for its block to be rolled back keeps the success inside it, as before.
+    if not alone or connection.needs_rollback or _transaction_open(raw):
         yield
         return
     raw.autocommit = True
     try:
         yield
     finally:
-        raw.autocommit = False
+        if not raw.closed:
+            raw.autocommit = False
 
 
 def _transaction_open(raw) -> bool:
