@@ -22,7 +22,7 @@ import time
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import SCRIPT_NAMES, ScriptCall, source
-from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, watch_drain
+from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, Measurement, watch_drain
 from lab.bench.kombu_level import fill, kombu_queue, producer_for
 from lab.bench.scaling import fill_fenced, stored_payload
 from lab.processes import ManagedProcess
@@ -169,6 +169,7 @@ def stock_ceilings(run: BenchRun, payload: str, requests: int) -> dict[str, tupl
 
 def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, dict]:
     """Two consumer processes drain one backlog; the steady rate and the Redis ops/s they cause together."""
+    harness = run.harness_cpu()  # Before the consumers are up: measured on an idle server.
     db = run.fresh_db()
     url = run.url(system, db)
     queue = kombu_queue(f"{QUEUE}.aggregate")
@@ -194,6 +195,7 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
             messages,
             timeout=60 + messages / 100,
             alive=lambda: all(consumer.alive() for consumer in consumers),
+            harness=harness,
         )
         return drain.rate, {"steady_window": drain.steady, **drain.load.summary(messages)}
     finally:
@@ -203,8 +205,14 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
 
 
 def report_loads(run: BenchRun) -> None:
-    """One row per earlier figure: the Redis ops/s and ops per message it generated, per system."""
+    """Rows per earlier figure: the Redis ops/s and ops per message it generated, then its Redis CPU.
+
+    The CPU rows (µs of the server's main thread per message, lower is better)
+    are what a Redis shared by many workers runs out of; each repeat's figure
+    is kept, so the row is the median of the repeats like the figure it reports on.
+    """
     by_key = {figure.key: figure for figure in run.measurements}
+    cpu_figures = []
     for key in LOADED_RUNS:
         source_figure = by_key.get(key)
         if source_figure is None:
@@ -218,6 +226,16 @@ def report_loads(run: BenchRun) -> None:
                 per_message.append(f"{system} {ops:.1f}")
         if per_message:
             figure.label += f" (ops/msg: {', '.join(per_message)})"
+        cpu_figures.append((source_figure, f"redis.cpu.{key}"))
+    for source_figure, key in cpu_figures:
+        cpu = Measurement(
+            key, LEVEL, f"Redis CPU per message: {source_figure.label}", "µs/msg", higher_is_better=False
+        )
+        for system, repeats in source_figure.cpu_repeats.items():
+            for value in repeats:
+                cpu.add(system, value)
+        if cpu.values:
+            run.measurements.append(cpu)
 
 
 def run_level(run: BenchRun) -> None:

@@ -200,8 +200,9 @@ def machine() -> dict:
 
 def as_json(run: BenchRun, meta: dict) -> dict:
     """Every figure, repeat and detail of the run, the targets, and what failed or was skipped."""
+    harness = {"harness_redis_cpu": run.harness.as_dict()} if run.harness else {}
     return {
-        "meta": {**meta, "machine": machine(), "sizes": run.sizes.as_dict()},
+        "meta": {**meta, "machine": machine(), "sizes": run.sizes.as_dict(), **harness},
         "measurements": [figure.as_dict() for figure in run.measurements],
         "targets": evaluate_targets(run),
         "errors": run.errors,
