@@ -207,9 +207,8 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
 def report_loads(run: BenchRun) -> None:
     """Rows per earlier figure: the Redis ops/s and ops per message it generated, then its Redis CPU.
 
-    The CPU rows (µs of the server's main thread per message, lower is better)
-    are what a Redis shared by many workers runs out of; each repeat's figure
-    is kept, so the row is the median of the repeats like the figure it reports on.
+    The CPU rows come after all the ops rows, so that the table reads as two
+    blocks of the same runs.
     """
     by_key = {figure.key: figure for figure in run.measurements}
     cpu_figures = []
@@ -226,16 +225,30 @@ def report_loads(run: BenchRun) -> None:
                 per_message.append(f"{system} {ops:.1f}")
         if per_message:
             figure.label += f" (ops/msg: {', '.join(per_message)})"
-        cpu_figures.append((source_figure, f"redis.cpu.{key}"))
-    for source_figure, key in cpu_figures:
-        cpu = Measurement(
-            key, LEVEL, f"Redis CPU per message: {source_figure.label}", "µs/msg", higher_is_better=False
-        )
-        for system, repeats in source_figure.cpu_repeats.items():
-            for value in repeats:
-                cpu.add(system, value)
-        if cpu.values:
-            run.measurements.append(cpu)
+        cpu_figures.append(source_figure)
+    for source_figure in cpu_figures:
+        report_cpu(run, source_figure)
+
+
+def report_cpu(run: BenchRun, source_figure: Measurement) -> None:
+    """The row of ``source_figure``'s Redis CPU per message (µs of the main thread; lower is better).
+
+    That CPU is what a Redis shared by many workers runs out of. Each repeat's
+    figure is kept, so the row is the median of the repeats like the figure it
+    reports on. A figure with no CPU measured (a failed run) adds no row.
+    """
+    cpu = Measurement(
+        f"redis.cpu.{source_figure.key}",
+        LEVEL,
+        f"Redis CPU per message: {source_figure.label}",
+        "µs/msg",
+        higher_is_better=False,
+    )
+    for system, repeats in source_figure.cpu_repeats.items():
+        for value in repeats:
+            cpu.add(system, value)
+    if cpu.values:
+        run.measurements.append(cpu)
 
 
 def run_level(run: BenchRun) -> None:
@@ -277,3 +290,4 @@ def run_level(run: BenchRun) -> None:
         for system in (STOCK, FENCED):
             run.progress(f"{CONSUMERS} consumer processes on {system}, repeat {repeat + 1}")
             run.attempt(aggregate, system, lambda s=system: aggregate_once(run, s, messages))
+    report_cpu(run, aggregate)

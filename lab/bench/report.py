@@ -24,7 +24,10 @@ LEVEL_TITLES = {
     "celery": "Celery level (real worker processes, lab.noop)",
     "exactly_once": "Exactly-once level (lab.noop_exactly_once against the hand-written lab.noop_idempotent)",
     "scaling": "Scaling (depth, reclaim, memory)",
-    "redis": "Redis load (ops counted by INFO commandstats, script-internal commands included)",
+    "redis": (
+        "Redis load (ops counted by INFO commandstats, script-internal commands included;"
+        " CPU per message from INFO cpu, main thread)"
+    ),
 }
 
 
