@@ -2,9 +2,10 @@
 
 A :class:`Measurement` holds one figure for each system measured (the stock
 ``redis://`` transport, ``fenced://``, Dramatiq), the repeats behind each
-median, and per system the Redis load it generated. A :class:`BenchRun` owns
-the one private Redis server of a run and hands every figure a fresh database,
-so that no figure sees another's keys.
+median, and per system the Redis load it generated (commands, and the
+Redis CPU they cost less what the harness and an idle server cost). A
+:class:`BenchRun` owns the one private Redis server of a run and hands every
+figure a fresh database, so that no figure sees another's keys.
 """
 
 from __future__ import annotations

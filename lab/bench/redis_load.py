@@ -9,6 +9,10 @@ a fresh claim request id per call) and the stock primitives ``LPUSH`` and
 ``redis-benchmark`` cannot express, so its ceiling is a tight pipelined Python
 loop. The aggregate runs 2 Kombu consumer processes (``lab.bench.consumer``)
 on one backlog.
+
+The Redis CPU per message of each of those runs (``INFO cpu``, main thread,
+less the idle server and the harness's polls: :class:`lab.bench.core.RedisLoad`)
+gets a row of its own, lower is better, with no target yet.
 """
 
 from __future__ import annotations
