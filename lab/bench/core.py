@@ -285,7 +285,7 @@ class HarnessCpu:
     ``idle_per_s``: the server's background work per second with no client
     talking to it. ``per_poll``: one :func:`remaining` poll of ``system``, sent
     every ``POLL_INTERVAL`` as a drain sends it, less the idle share of that
-    interval (a paced poll wakes an idle server and costs about 3x one sent
+    interval (a paced poll wakes an idle server and costs about twice one sent
     back to back, so the calibration paces it like the drain does).
     """
 
