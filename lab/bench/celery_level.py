@@ -106,6 +106,7 @@ def drain_once(
     (a number of tasks), the worker logs that many tasks' queries (:mod:`lab.bench.querylog`),
     and the details carry their medians per task.
     """
+    harness = run.harness_cpu()  # Before any worker is up: measured on an idle server.
     db = run.fresh_db()
     env = worker_env(run, system, db, database_url)
     log_path = run.work_dir / f"queries-{tag}-{system}-{setup.name}-{db}.jsonl"
@@ -143,6 +144,7 @@ def drain_once(
                     messages,
                     timeout=30 + messages / min_rate,
                     alive=worker.alive,
+                    harness=harness,
                 )
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}\n{worker.output(3000)}") from None

@@ -2,9 +2,10 @@
 
 A :class:`Measurement` holds one figure for each system measured (the stock
 ``redis://`` transport, ``fenced://``, Dramatiq), the repeats behind each
-median, and per system the Redis load it generated. A :class:`BenchRun` owns
-the one private Redis server of a run and hands every figure a fresh database,
-so that no figure sees another's keys.
+median, and per system the Redis load it generated (commands, and the
+Redis CPU they cost less what the harness and an idle server cost). A
+:class:`BenchRun` owns the one private Redis server of a run and hands every
+figure a fresh database, so that no figure sees another's keys.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Measurement:
     repeats: dict[str, list[float]] = field(default_factory=dict)
     details: dict[str, dict] = field(default_factory=dict)
     note: str = ""
+    #: Each repeat's Redis CPU per message (``details`` keeps the last repeat's only), for the
+    #: Redis level's CPU row: a median of repeats like every figure, not one repeat's noise.
+    cpu_repeats: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, system: str, value: float, **details: object) -> None:
         """Record one repeat for ``system``; its figure becomes the median of the repeats."""
@@ -48,6 +52,9 @@ class Measurement:
         self.values[system] = statistics.median(self.repeats[system])
         if details:
             self.details.setdefault(system, {}).update(details)
+        cpu = details.get("redis_cpu_us_per_message")
+        if isinstance(cpu, float | int):
+            self.cpu_repeats.setdefault(system, []).append(float(cpu))
 
     def ratio(self) -> float | None:
         """fenced / stock, when both were measured."""
@@ -122,6 +129,30 @@ class Sizes:
         return {**self.__dict__, "depths": list(self.depths)}
 
 
+#: How long the harness's own CPU share is measured for, on an idle server (seconds per part).
+CALIBRATION_SECONDS = 1.0
+#: The drain's poll interval (seconds): :func:`watch_drain` polls at it, the calibration replays it.
+POLL_INTERVAL = 0.01
+#: INFO calls of one :class:`LoadMeter` span that its second ``INFO commandstats`` counts: the first
+#: ``INFO commandstats`` and the two ``INFO cpu`` snapshots.
+METER_INFOS = 3
+
+
+def redis_cpu(client: redis.Redis) -> float:
+    """CPU seconds (user + sys) of the server's main thread, from ``INFO cpu``.
+
+    The main thread is the one that parses, runs every command and script, and
+    writes the replies: the resource a shared Redis runs out of. The process
+    figures (``used_cpu_user`` + ``used_cpu_sys``) add the background threads
+    (lazy free, AOF fsync, I/O threads), which no message of the bench keeps
+    busy; a server older than 6.2 has only those, and they are used then.
+    """
+    info = client.info("cpu")
+    if "used_cpu_user_main_thread" in info:
+        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 def commandstats(client: redis.Redis) -> dict[str, tuple[int, int]]:
     """``INFO commandstats`` as {command: (calls, usec)}; commands run inside scripts are counted too."""
     stats = client.info("commandstats")
@@ -133,11 +164,23 @@ def commandstats(client: redis.Redis) -> dict[str, tuple[int, int]]:
 
 @dataclass
 class RedisLoad:
-    """Redis commands between two ``INFO commandstats`` snapshots, less what the harness sent itself."""
+    """Redis commands and CPU between two snapshots, less what the harness and an idle server cost.
+
+    ``cpu_seconds`` is the main thread's CPU over the span as measured;
+    ``own_cpu_seconds`` the part of it that is not the messages' doing: the
+    server's idle background work (``serverCron``) over the span, and the
+    harness's own polls where it polled. The figure reported is the difference.
+    """
 
     calls: dict[str, int]
     usec: dict[str, int]
     seconds: float
+    cpu_seconds: float = 0.0
+    own_cpu_seconds: float = 0.0
+
+    @property
+    def net_cpu_seconds(self) -> float:
+        return self.cpu_seconds - self.own_cpu_seconds
 
     @property
     def total_calls(self) -> int:
@@ -155,40 +198,59 @@ class RedisLoad:
             "redis_ops_per_message": self.total_calls / messages if messages else None,
             "redis_commands": {name: calls for name, calls in top},
             "evalsha_usec_per_call": self.usec_per_call("evalsha"),
+            "redis_cpu_us_per_message": self.net_cpu_seconds * 1e6 / messages if messages else None,
+            "redis_cpu_us_measured": round(self.cpu_seconds * 1e6, 1),
+            "redis_cpu_us_subtracted": round(self.own_cpu_seconds * 1e6, 1),
         }
 
 
 class LoadMeter:
-    """Measures the Redis load of a span of time; ``own`` counts commands the harness itself sent."""
+    """Measures the Redis load of a span of time; ``own`` counts commands the harness itself sent.
 
-    def __init__(self, client: redis.Redis) -> None:
+    ``idle_cpu_per_s`` is what the server spends per second with nobody
+    talking to it (:func:`measure_harness_cpu`): it is taken off the span's CPU,
+    so that a slower run is not charged more background work per message.
+    """
+
+    def __init__(self, client: redis.Redis, idle_cpu_per_s: float = 0.0) -> None:
         self.client = client
+        self.idle_cpu_per_s = idle_cpu_per_s
         self.own: dict[str, int] = {}
+        self.own_cpu = 0.0
         self._before: dict[str, tuple[int, int]] = {}
+        self._cpu_before = 0.0
         self._started = 0.0
 
     def start(self) -> LoadMeter:
         self.own = {}
+        self.own_cpu = 0.0
         self._before = commandstats(self.client)
+        self._cpu_before = redis_cpu(self.client)  # After the bigger INFO: its CPU is not in the span.
         self._started = time.perf_counter()
         return self
 
     def count_own(self, command: str, calls: int = 1) -> None:
         self.own[command] = self.own.get(command, 0) + calls
 
+    def count_own_cpu(self, seconds: float) -> None:
+        """Redis CPU the harness caused itself during the span (its polls), to be taken off."""
+        self.own_cpu += seconds
+
     def stop(self) -> RedisLoad:
         seconds = time.perf_counter() - self._started
+        cpu = redis_cpu(self.client) - self._cpu_before
         after = commandstats(self.client)
         calls: dict[str, int] = {}
         usec: dict[str, int] = {}
         for name, (count, spent) in after.items():
             before_count, before_usec = self._before.get(name, (0, 0))
-            # The first snapshot's own INFO is counted by the second one.
-            delta = count - before_count - self.own.get(name, 0) - (1 if name == "info" else 0)
+            # The second snapshot counts the span's other INFO calls (not itself).
+            delta = count - before_count - self.own.get(name, 0) - (METER_INFOS if name == "info" else 0)
             if delta > 0:
                 calls[name] = delta
                 usec[name] = spent - before_usec
-        return RedisLoad(calls, usec, seconds)
+        own_cpu = self.own_cpu + self.idle_cpu_per_s * seconds
+        return RedisLoad(calls, usec, seconds, cpu_seconds=cpu, own_cpu_seconds=own_cpu)
 
 
 def remaining(client: redis.Redis, system: str, queue: str) -> int:
@@ -214,6 +276,46 @@ def remaining_commands(system: str) -> dict[str, int]:
     if system == FENCED:
         return {"zcard": 3}
     return {"hlen": 1}
+
+
+@dataclass(frozen=True)
+class HarnessCpu:
+    """The Redis CPU that is not the messages' doing, measured on the run's server with nothing else on it.
+
+    ``idle_per_s``: the server's background work per second with no client
+    talking to it. ``per_poll``: one :func:`remaining` poll of ``system``, sent
+    every ``POLL_INTERVAL`` as a drain sends it, less the idle share of that
+    interval (a paced poll wakes an idle server and costs about twice one sent
+    back to back, so the calibration paces it like the drain does).
+    """
+
+    idle_per_s: float
+    per_poll: dict[str, float]
+
+    def as_dict(self) -> dict:
+        return {
+            "idle_us_per_s": round(self.idle_per_s * 1e6, 1),
+            "poll_us": {system: round(seconds * 1e6, 1) for system, seconds in self.per_poll.items()},
+        }
+
+
+def measure_harness_cpu(
+    client: redis.Redis, systems: tuple[str, ...], seconds: float = CALIBRATION_SECONDS
+) -> HarnessCpu:
+    """Measure :class:`HarnessCpu` on ``client``'s server, which nothing else may be using meanwhile."""
+    started = redis_cpu(client)
+    time.sleep(seconds)
+    idle_per_s = max(redis_cpu(client) - started, 0.0) / seconds
+    polls = max(1, int(seconds / POLL_INTERVAL))
+    per_poll = {}
+    for system in systems:
+        began, cpu_before = time.perf_counter(), redis_cpu(client)
+        for _ in range(polls):
+            remaining(client, system, "bench.calibration")
+            time.sleep(POLL_INTERVAL)
+        cpu, span = redis_cpu(client) - cpu_before, time.perf_counter() - began
+        per_poll[system] = max(cpu - idle_per_s * span, 0.0) / polls
+    return HarnessCpu(idle_per_s, per_poll)
 
 
 @dataclass
@@ -243,11 +345,16 @@ def watch_drain(
     queue: str,
     messages: int,
     timeout: float,
-    interval: float = 0.01,
+    interval: float = POLL_INTERVAL,
     alive: Callable[[], bool] = lambda: True,
+    harness: HarnessCpu | None = None,
 ) -> Drain:
-    """Poll the backlog of ``queue`` until it is empty; raise if it stalls past ``timeout``."""
-    meter = LoadMeter(client).start()
+    """Poll the backlog of ``queue`` until it is empty; raise if it stalls past ``timeout``.
+
+    With ``harness``, the Redis CPU of the polls and of the idle server is
+    taken off the drain's (without it, nothing is and the CPU figure is high).
+    """
+    meter = LoadMeter(client, harness.idle_per_s if harness else 0.0).start()
     deadline = time.monotonic() + timeout
     untouched = time.perf_counter()
     samples: list[tuple[float, int]] = []
@@ -264,6 +371,8 @@ def watch_drain(
         time.sleep(interval)
     for command, calls in remaining_commands(system).items():
         meter.count_own(command, calls * len(samples))
+    if harness:
+        meter.count_own_cpu(harness.per_poll.get(system, 0.0) * len(samples))
     load = meter.stop()
     total = max(now - untouched, interval)
     load.seconds = total  # Ops/s over the drain itself, not the start-up.
@@ -294,6 +403,7 @@ class BenchRun:
     errors: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
     profiles: dict[str, dict] = field(default_factory=dict)
+    harness: HarnessCpu | None = None
     #: Every process the run started (each leads a session of its own but redis-server), for the record.
     started_pids: list[int] = field(default_factory=list)
     _databases: Iterator[int] = field(default_factory=lambda: iter(range(1, 64)))
@@ -307,6 +417,21 @@ class BenchRun:
             db = next(self._databases)
         self.server.client(db=db).flushdb()
         return db
+
+    def harness_cpu(self) -> HarnessCpu:
+        """The Redis CPU that is not the messages' doing, measured once per run at the first need.
+
+        Every caller asks before it starts any process of its own, so that the
+        server is idle while it is measured (a few seconds, once).
+        """
+        if self.harness is None:
+            self.progress("measuring the Redis CPU of an idle server and of the harness's polls")
+            db = self.fresh_db()
+            try:
+                self.harness = measure_harness_cpu(self.client(db), (STOCK, FENCED, DRAMATIQ))
+            finally:
+                self.release_db(db)
+        return self.harness
 
     def release_db(self, db: int) -> None:
         """Free the memory of a figure's keys once it is measured."""

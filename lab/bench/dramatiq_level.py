@@ -43,6 +43,7 @@ def enqueue(url: str, messages: int) -> float:
 
 
 def drain_once(run: BenchRun, processes: int, threads: int, messages: int) -> tuple[float, dict]:
+    harness = run.harness_cpu()  # Before the worker is up: measured on an idle server.
     db = run.fresh_db()
     url = run.url(DRAMATIQ, db)
     try:
@@ -68,7 +69,13 @@ def drain_once(run: BenchRun, processes: int, threads: int, messages: int) -> tu
         run.started_pids.append(worker.pid)
         try:
             drain = watch_drain(
-                run.client(db), DRAMATIQ, QUEUE, messages, timeout=60 + messages / 100, alive=worker.alive
+                run.client(db),
+                DRAMATIQ,
+                QUEUE,
+                messages,
+                timeout=60 + messages / 100,
+                alive=worker.alive,
+                harness=harness,
             )
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}\n{worker.output()}") from None

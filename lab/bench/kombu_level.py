@@ -69,7 +69,7 @@ def publish_once(
             for n in range(run.sizes.warmup):
                 producer.publish(body(n))
             with profiling.py_spy(profile_dir, os.getpid(), profile or ""):
-                meter = LoadMeter(client).start()
+                meter = LoadMeter(client, run.harness_cpu().idle_per_s).start()
                 started = time.perf_counter()
                 if batch:
                     with producer.batch():
@@ -102,7 +102,7 @@ def consume_once(
     queue = kombu_queue(f"bench.consume.p{prefetch}.{system}")
     warmup = run.sizes.warmup
     total = warmup + messages + prefetch + min(200, messages)  # A tail keeps the window steady.
-    meter = LoadMeter(client)
+    meter = LoadMeter(client, run.harness_cpu().idle_per_s)
     marks: dict[str, float] = {}
     count = 0
 
@@ -150,6 +150,7 @@ def consume_once(
 def run_level(run: BenchRun) -> None:
     """Every Kombu-level figure; repeats interleaved across the two transports."""
     messages = run.sizes.messages
+    run.harness_cpu()  # Measured now, on an idle server, for every figure's Redis CPU.
     publish = run.measurement("kombu.publish", LEVEL, "publish, one Producer.publish per message", "msg/s")
     batch = run.measurement("kombu.batch_publish", LEVEL, "batch publish, Producer.batch()", "msg/s")
     consume = {

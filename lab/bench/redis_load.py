@@ -9,6 +9,10 @@ a fresh claim request id per call) and the stock primitives ``LPUSH`` and
 ``redis-benchmark`` cannot express, so its ceiling is a tight pipelined Python
 loop. The aggregate runs 2 Kombu consumer processes (``lab.bench.consumer``)
 on one backlog.
+
+The Redis CPU per message of each of those runs (``INFO cpu``, main thread,
+less the idle server and the harness's polls: :class:`lab.bench.core.RedisLoad`)
+gets a row of its own, lower is better, with no target yet.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import SCRIPT_NAMES, ScriptCall, source
-from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, watch_drain
+from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, Measurement, watch_drain
 from lab.bench.kombu_level import fill, kombu_queue, producer_for
 from lab.bench.scaling import fill_fenced, stored_payload
 from lab.processes import ManagedProcess
@@ -169,6 +173,7 @@ def stock_ceilings(run: BenchRun, payload: str, requests: int) -> dict[str, tupl
 
 def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, dict]:
     """Two consumer processes drain one backlog; the steady rate and the Redis ops/s they cause together."""
+    harness = run.harness_cpu()  # Before the consumers are up: measured on an idle server.
     db = run.fresh_db()
     url = run.url(system, db)
     queue = kombu_queue(f"{QUEUE}.aggregate")
@@ -194,6 +199,7 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
             messages,
             timeout=60 + messages / 100,
             alive=lambda: all(consumer.alive() for consumer in consumers),
+            harness=harness,
         )
         return drain.rate, {"steady_window": drain.steady, **drain.load.summary(messages)}
     finally:
@@ -203,8 +209,13 @@ def aggregate_once(run: BenchRun, system: str, messages: int) -> tuple[float, di
 
 
 def report_loads(run: BenchRun) -> None:
-    """One row per earlier figure: the Redis ops/s and ops per message it generated, per system."""
+    """Rows per earlier figure: the Redis ops/s and ops per message it generated, then its Redis CPU.
+
+    The CPU rows come after all the ops rows, so that the table reads as two
+    blocks of the same runs.
+    """
     by_key = {figure.key: figure for figure in run.measurements}
+    cpu_figures = []
     for key in LOADED_RUNS:
         source_figure = by_key.get(key)
         if source_figure is None:
@@ -218,6 +229,30 @@ def report_loads(run: BenchRun) -> None:
                 per_message.append(f"{system} {ops:.1f}")
         if per_message:
             figure.label += f" (ops/msg: {', '.join(per_message)})"
+        cpu_figures.append(source_figure)
+    for source_figure in cpu_figures:
+        report_cpu(run, source_figure)
+
+
+def report_cpu(run: BenchRun, source_figure: Measurement) -> None:
+    """The row of ``source_figure``'s Redis CPU per message (µs of the main thread; lower is better).
+
+    That CPU is what a Redis shared by many workers runs out of. Each repeat's
+    figure is kept, so the row is the median of the repeats like the figure it
+    reports on. A figure with no CPU measured (a failed run) adds no row.
+    """
+    cpu = Measurement(
+        f"redis.cpu.{source_figure.key}",
+        LEVEL,
+        f"Redis CPU per message: {source_figure.label}",
+        "µs/msg",
+        higher_is_better=False,
+    )
+    for system, repeats in source_figure.cpu_repeats.items():
+        for value in repeats:
+            cpu.add(system, value)
+    if cpu.values:
+        run.measurements.append(cpu)
 
 
 def run_level(run: BenchRun) -> None:
@@ -259,3 +294,4 @@ def run_level(run: BenchRun) -> None:
         for system in (STOCK, FENCED):
             run.progress(f"{CONSUMERS} consumer processes on {system}, repeat {repeat + 1}")
             run.attempt(aggregate, system, lambda s=system: aggregate_once(run, s, messages))
+    report_cpu(run, aggregate)

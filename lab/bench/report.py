@@ -24,7 +24,10 @@ LEVEL_TITLES = {
     "celery": "Celery level (real worker processes, lab.noop)",
     "exactly_once": "Exactly-once level (lab.noop_exactly_once against the hand-written lab.noop_idempotent)",
     "scaling": "Scaling (depth, reclaim, memory)",
-    "redis": "Redis load (ops counted by INFO commandstats, script-internal commands included)",
+    "redis": (
+        "Redis load (ops counted by INFO commandstats, script-internal commands included;"
+        " CPU per message from INFO cpu, main thread)"
+    ),
 }
 
 
@@ -200,8 +203,9 @@ def machine() -> dict:
 
 def as_json(run: BenchRun, meta: dict) -> dict:
     """Every figure, repeat and detail of the run, the targets, and what failed or was skipped."""
+    harness = {"harness_redis_cpu": run.harness.as_dict()} if run.harness else {}
     return {
-        "meta": {**meta, "machine": machine(), "sizes": run.sizes.as_dict()},
+        "meta": {**meta, "machine": machine(), "sizes": run.sizes.as_dict(), **harness},
         "measurements": [figure.as_dict() for figure in run.measurements],
         "targets": evaluate_targets(run),
         "errors": run.errors,

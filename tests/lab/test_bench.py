@@ -154,6 +154,35 @@ def test_the_redis_load_of_each_run_is_counted_with_the_commands_inside_scripts(
     assert consume["redis_ops_per_message"] > 1
 
 
+#: The Redis CPU rows of a --quick run: the figures they report on (every one metered on both transports).
+CPU_ROWS = (
+    "kombu.publish",
+    "kombu.batch_publish",
+    "kombu.consume_ack.p1",
+    "kombu.consume_ack.p100",
+    "celery.drain.solo",
+    "redis.aggregate",
+)
+
+
+def test_each_metered_run_has_a_redis_cpu_row_per_transport_it_was_measured_on(bench_report):
+    """A row per figure, lower is better, with a positive µs/msg wherever its figure was measured."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    assert bench_report["meta"]["harness_redis_cpu"]["poll_us"].keys() == {"stock", "fenced", "dramatiq"}
+    for key in CPU_ROWS:
+        measured = {system for system in BOTH if figures[key]["values"].get(system) is not None}
+        if not measured:
+            continue  # Reported in errors (checked above).
+        row = figures[f"redis.cpu.{key}"]
+        assert row["unit"] == "µs/msg" and row["higher_is_better"] is False
+        assert row["values"].keys() == measured, key
+        for system in measured:
+            assert len(row["repeats"][system]) == len(figures[key]["repeats"][system]), (key, system)
+            assert math.isfinite(row["values"][system]) and row["values"][system] > 0, (key, system)
+            details = figures[key]["details"][system]
+            assert details["redis_cpu_us_measured"] >= details["redis_cpu_us_subtracted"] >= 0, (key, system)
+
+
 def test_the_run_leaves_no_process_behind(bench_report):
     """Every redis-server, worker and consumer the bench started is gone, with its children, once it exits."""
     started = bench_report["meta"]["started_pids"]

@@ -1,0 +1,70 @@
+"""The bench's Redis CPU meter against a real redis-server: what it counts and what it takes off.
+
+The CPU of a span is the server main thread's ``INFO cpu`` delta; the
+harness's polls and the idle server's background work are measured on the
+same server and subtracted. These tests check the arithmetic and that the
+subtraction removes the polls' share, with bounds loose enough for a
+shared machine (CPU time on a loaded 2-core VM jitters by tens of µs).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lab.bench.core import FENCED, POLL_INTERVAL, STOCK, LoadMeter, measure_harness_cpu, redis_cpu, remaining
+
+COMMANDS = 5_000
+
+
+def test_commands_between_start_and_stop_show_as_positive_cpu_per_message(redis_client):
+    meter = LoadMeter(redis_client).start()
+    pipe = redis_client.pipeline(transaction=False)
+    for n in range(COMMANDS):
+        pipe.set(f"k{n}", "x" * 100)
+    pipe.execute()
+    load = meter.stop()
+
+    assert load.calls["set"] == COMMANDS
+    assert load.calls.get("info") is None  # The meter's own INFO snapshots are not the run's.
+    assert load.cpu_seconds > 0
+    summary = load.summary(COMMANDS)
+    assert summary["redis_cpu_us_per_message"] == pytest.approx(load.cpu_seconds * 1e6 / COMMANDS)
+    # A SET costs Redis about a µs or more of CPU; far below 1 ms on any machine.
+    assert 0.1 < summary["redis_cpu_us_per_message"] < 1_000
+
+
+def test_the_idle_share_is_taken_off_in_proportion_to_the_span(redis_client):
+    meter = LoadMeter(redis_client, idle_cpu_per_s=0.001).start()
+    time.sleep(0.2)
+    load = meter.stop()
+
+    assert load.own_cpu_seconds == pytest.approx(0.001 * load.seconds)
+    assert load.net_cpu_seconds == pytest.approx(load.cpu_seconds - load.own_cpu_seconds)
+    summary = load.summary(10)
+    assert summary["redis_cpu_us_per_message"] == pytest.approx(load.net_cpu_seconds * 1e6 / 10)
+    assert summary["redis_cpu_us_subtracted"] == pytest.approx(load.own_cpu_seconds * 1e6, abs=0.1)
+
+
+@pytest.mark.parametrize("system", [STOCK, FENCED])
+def test_the_harness_s_polls_are_measured_and_subtracted(redis_server, redis_client, system):
+    """A span with nothing but the drain's polls comes out near zero once their calibrated share is off."""
+    harness = measure_harness_cpu(redis_client, (system,), seconds=0.5)
+    assert harness.idle_per_s >= 0
+    assert harness.per_poll[system] > 0  # A poll is a round trip of 3 to 12 commands: never free.
+
+    polls = 50
+    meter = LoadMeter(redis_client, harness.idle_per_s).start()
+    before = redis_cpu(redis_client)
+    for _ in range(polls):
+        remaining(redis_client, system, "bench.polled")
+        time.sleep(POLL_INTERVAL)
+    polled = redis_cpu(redis_client) - before
+    meter.count_own_cpu(harness.per_poll[system] * polls)
+    load = meter.stop()
+
+    assert polled > 0
+    assert load.cpu_seconds >= polled
+    # Without the subtraction the span would charge the polls; with it, most of that is gone.
+    assert abs(load.net_cpu_seconds) < 0.5 * load.cpu_seconds
