@@ -272,7 +272,10 @@ def _values(connection, rows: list[tuple]) -> Iterator[tuple[str, list]]:
         for row in chunk:
             values = list(template)
             for at, position in published.items():
-                values[at] = fields[at].get_db_prep_save(row[position], connection)
+                value = row[position]
+                values[at] = (
+                    value if isinstance(value, _Json) else fields[at].get_db_prep_save(value, connection)
+                )
             params.extend(values)
         values_sql = ", ".join([one_row] * len(chunk))
         yield f"{_into(connection, fields)} VALUES {values_sql} {_on_conflict(connection)}", params
@@ -290,7 +293,7 @@ def _unnest(connection, rows: list[tuple]) -> Iterator[tuple[str, list]]:
         name = f"c{at}"
         columns.append(name)
         if isinstance(field, JSONField):  # As text: one array of JSON documents, cast row by row.
-            arrays.append([json.dumps(row[published[at]], cls=field.encoder) for row in rows])
+            arrays.append([str(row[published[at]]) for row in rows])
             selected.append(f"{name}::jsonb")
             continue
         arrays.append([field.get_db_prep_save(row[published[at]], connection) for row in rows])
@@ -378,8 +381,26 @@ def record(
     task_id: str = "",
     eta: datetime | None = None,
 ) -> None:
-    """Buffer the *queued* record of a publish; written within ``QUEUED_WRITE_DELAY`` seconds."""
-    _current().append((key, task_name, args, kwargs, queue, task_id, eta, timezone.now()))
+    """Buffer the *queued* record of a publish; written within ``QUEUED_WRITE_DELAY`` seconds.
+
+    The arguments are turned into JSON here, on the publishing thread: the
+    caller may change the objects it passed once ``.delay()`` returns, and the
+    record must say what was published.
+    """
+    try:
+        published_args, published_kwargs = _Json.of(list(args)), _Json.of(dict(kwargs))
+    except (TypeError, ValueError) as exc:  # The publish itself fails on them with Celery's JSON.
+        logger.warning("%s [%s] not recorded as queued: its arguments are not JSON (%r)", task_name, key, exc)
+        return
+    _current().append((key, task_name, published_args, published_kwargs, queue, task_id, eta, timezone.now()))
+
+
+class _Json(str):
+    """A JSON document, already encoded by the outcome model's encoder (stored as it is)."""
+
+    @classmethod
+    def of(cls, value) -> _Json:
+        return cls(json.dumps(value, cls=TaskOutcome._meta.get_field("args").encoder))
 
 
 def flush(timeout: float | None = 10.0) -> bool:
