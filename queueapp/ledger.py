@@ -39,7 +39,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -465,6 +465,15 @@ def _alone_if_nothing_written(db: str) -> Iterator[None]:
     raw.autocommit = True
     try:
         yield
+    except BaseException as exc:
+        if raw.closed or not _transaction_open(raw):
+            raise
+        # Interrupted while the statement ran (a soft time limit during a lock wait): the server
+        # may still commit it. Whether it did is for the row to say: the delivery goes back.
+        connection.close()
+        raise OperationalError(
+            f"the success statement was interrupted ({exc!r}); its outcome is unknown"
+        ) from exc
     finally:
         if not raw.closed:
             raw.autocommit = False

@@ -28,6 +28,7 @@ from tests.queueapp import demo_tasks
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
 
 Verdict = TaskDelivery.Verdict
+Status = TaskOutcome.Status
 
 
 def delivery(task_id: str, token: int, *, count: int = 1, retries: int = 0) -> DeliveryInfo:
@@ -260,3 +261,35 @@ def test_a_delivery_from_another_queue_than_recorded_is_claimed_and_records_its_
     claim = ledger.claim(key, moved, args=["x"], kwargs={}, lease_seconds=30)
     assert isinstance(claim, ledger.Claim) and claim.token == 7
     assert TaskOutcome.objects.get(idempotency_key=key).queue == "elsewhere"
+
+
+@postgres_only
+def test_a_success_alone_interrupted_while_it_waits_gives_the_delivery_back(effects):
+    """A soft time limit during the success's lock wait: the outcome is unknown, so it is a database error."""
+    import signal
+
+    import psycopg
+    from celery.exceptions import SoftTimeLimitExceeded
+    from django.db import OperationalError
+
+    key = queued()
+    claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+    holder = psycopg.connect(**connection.get_connection_params())
+    holder.execute("SELECT 1 FROM queueapp_taskoutcome WHERE id = %s FOR UPDATE", [claim.outcome_id])
+
+    def time_limit(signum, frame):
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, time_limit)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(OperationalError) as raised:
+            ledger.commit(claim, lambda: None, just_claimed=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        holder.commit()  # the lock goes: the server finishes the interrupted statement on its own
+        holder.close()
+    assert isinstance(raised.value.__cause__, SoftTimeLimitExceeded)
+    assert "outcome is unknown" in str(raised.value)
+    assert TaskOutcome.objects.get(idempotency_key=key).status in (Status.RUNNING, Status.SUCCEEDED)
