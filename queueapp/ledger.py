@@ -316,9 +316,10 @@ def _run_claim_postgresql(db: str, connection, fenced: bool, update: list, log: 
     """The claim and its log row in one statement; on its own, committed without its own WAL flush."""
     own_transaction = _own_transaction(connection)
     sql = statements.claim_sql(connection, fenced, own_transaction).update
-    if own_transaction:
+    if own_transaction and fenced:  # Sent again only where a second claim finds the first.
         return statements.run_as_health_check(connection, sql, [*update, *log])
-    with transaction.atomic(using=db), statements.cursor(connection) as cursor:
+    savepoint = contextlib.nullcontext() if own_transaction else transaction.atomic(using=db)
+    with savepoint, statements.cursor(connection) as cursor:
         cursor.execute(sql, [*update, *log])
         return cursor.fetchone()
 

@@ -48,7 +48,13 @@ _LOG_COLUMNS = (
 
 #: SQLSTATEs of a server that does not keep prepared statements between transactions (a pooler
 #: in transaction mode without prepared-statement support): preparing is then turned off.
-_LOST_PREPARED_STATEMENT = ("26000", "42P05")  # invalid_sql_statement_name, duplicate_prepared_statement
+_LOST_PREPARED_STATEMENT = (
+    "26000",  # invalid_sql_statement_name: the statement is not on this server connection
+    "42P05",  # duplicate_prepared_statement: another client's statement of the same name is
+    "08P01",  # protocol_violation: ... and it takes another number of parameters
+)
+#: A migration changed a column a prepared statement returns: the connection's statements are stale.
+_STALE_PLAN = "0A000"  # feature_not_supported: "cached plan must not change result type"
 _prepare_refused = False
 
 
@@ -113,8 +119,10 @@ def run_as_health_check(connection, sql: str, params: list):
     be that check itself: if a reused connection turns out broken, it is
     closed and the statement runs again on a new one, as it would have after
     a failed ``SELECT 1``; if it succeeds, the connection is known good for the
-    rest of the task. The common claim is such a statement: when its reply was
+    rest of the task. The fenced claim is such a statement: when its reply was
     lost and it runs again, it finds its own token and goes to the locked path.
+    Only a connection that broke is replaced: a lock or statement timeout on a
+    live one is the statement's own error.
     """
     from django.db import InterfaceError, OperationalError
 
@@ -123,7 +131,8 @@ def run_as_health_check(connection, sql: str, params: list):
     try:
         row = _first_row(connection, sql, params, health_check=not unchecked)
     except (OperationalError, InterfaceError):
-        if not unchecked:
+        raw = connection.connection
+        if not unchecked or not (raw is None or raw.closed or raw.broken):
             raise
         connection.close()  # Django's answer to a failed check; the new connection is checked by its connect.
         row = _first_row(connection, sql, params, health_check=False)
@@ -183,6 +192,13 @@ def _preparing_cursor_class() -> type:
             except psycopg.Error as exc:
                 if exc.sqlstate in _LOST_PREPARED_STATEMENT:
                     _refuse_preparing(exc)
+                if exc.sqlstate == _STALE_PLAN:
+                    # Its prepared statements go with the connection: the next one prepares afresh.
+                    # A connection error, so the delivery is tried again rather than failed.
+                    self.connection.close()
+                    raise psycopg.OperationalError(
+                        f"prepared statements outdated by a migration: {exc}"
+                    ) from exc
                 raise
 
     return PreparingCursor

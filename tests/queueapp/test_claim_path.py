@@ -293,3 +293,27 @@ def test_a_success_alone_interrupted_while_it_waits_gives_the_delivery_back(effe
     assert isinstance(raised.value.__cause__, SoftTimeLimitExceeded)
     assert "outcome is unknown" in str(raised.value)
     assert TaskOutcome.objects.get(idempotency_key=key).status in (Status.RUNNING, Status.SUCCEEDED)
+
+
+@postgres_only
+def test_a_migration_that_changes_a_returned_column_does_not_break_the_prepared_claim(effects):
+    """PostgreSQL refuses a prepared statement whose result type changed: the connection is replaced."""
+    import psycopg
+
+    def migrate(column_type: str) -> None:  # A rolling deploy's migration, from another process.
+        with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+            table = TaskOutcome._meta.db_table
+            other.execute(f"ALTER TABLE {table} ALTER COLUMN attempts TYPE {column_type}")
+
+    key = queued()
+    ledger.commit(ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30), lambda: None)
+    migrate("bigint")
+    try:
+        key = queued()  # published before the next task starts
+        close_old_connections()  # the next task: its claim goes first
+        before = connection.connection.info.backend_pid
+        claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
+        assert isinstance(claim, ledger.Claim) and claim.token == 8
+        assert connection.connection.info.backend_pid != before
+    finally:
+        migrate("integer")
