@@ -58,9 +58,12 @@ _STALE_PLAN = "0A000"  # feature_not_supported: "cached plan must not change res
 _prepare_refused = False
 
 
+_SOURCES = {True: TaskDelivery.TokenSource.BROKER, False: TaskDelivery.TokenSource.DATABASE}
+
+
 def source(delivery: DeliveryInfo) -> str:
     """Where the delivery's token comes from: the broker (fenced://) or the database's counter."""
-    return TaskDelivery.TokenSource.BROKER if delivery.fenced else TaskDelivery.TokenSource.DATABASE
+    return _SOURCES[delivery.fenced]
 
 
 _NAMES: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
@@ -213,8 +216,16 @@ class ClaimSQL:
 
 
 @functools.cache
+def _literal(choice: str) -> str:
+    """A status, verdict or token source written into the SQL: one value fewer to bind per call."""
+    if not choice.replace("_", "").isalnum():
+        raise ValueError(f"not a choice constant: {choice!r}")
+    return f"'{choice}'"
+
+
 def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
     o, d = _NAMES[vendor]
+    queued, running, failed = _literal(Status.QUEUED), _literal(Status.RUNNING), _literal(Status.FAILED)
     if fenced:  # The broker's token, if above the stored one.
         token_sql, token_condition = "%s", f"AND {o['fence_token']} < %s"
     else:  # The database's counter.
@@ -230,7 +241,7 @@ def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
     if vendor == "sqlite":
         queue_assignment, queue_condition = "", f"AND (%s = '' OR {o['queue']} = %s)"
     assignments = f"""
-        {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = %s,
+        {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = {running},
         {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
         {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
         {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
@@ -240,13 +251,17 @@ def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
         {queue_assignment}
     """
     conditions = f"""
-        {o["idempotency_key"]} = %s AND {o["status"]} IN (%s, %s, %s) {token_condition}
-        AND NOT ({o["task_id"]} = %s AND {o["status"]} IN (%s, %s) AND {o["retries"]} > %s)
+        {o["idempotency_key"]} = %s AND {o["status"]} IN ({queued}, {running}, {failed}) {token_condition}
+        AND NOT ({o["task_id"]} = %s AND {o["status"]} IN ({queued}, {running}) AND {o["retries"]} > %s)
         {queue_condition}
     """
     returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
     log_columns = ", ".join(d[name] for name in _LOG_COLUMNS)
-    log_values = ", ".join(["%s"] * (len(_LOG_COLUMNS) - 2))
+    token_source = _SOURCES[fenced]
+    # outcome and fence_token come from the claim; token_source, verdict and detail are constants.
+    log_values = ", ".join(
+        [_literal(token_source), _literal(Verdict.STARTED), "''", *["%s"] * (len(_LOG_COLUMNS) - 5)]
+    )
     if vendor == "sqlite":
         return ClaimSQL(
             update=f"UPDATE {o['table']} SET {assignments} WHERE {conditions} RETURNING {returning}",
@@ -292,33 +307,32 @@ def claim_params(
     given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
     given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
     assignments = [
-        *token, delivery.retries, Status.RUNNING, worker, task_id, message_id,
+        *token, delivery.retries, worker, task_id, message_id,
         stamp, stamp, deadline, stamp, given_args, given_kwargs,
     ]  # fmt: skip
-    conditions = [
-        key, Status.QUEUED, Status.RUNNING, Status.FAILED, *token,
-        task_id, Status.QUEUED, Status.RUNNING, delivery.retries,
-    ]  # fmt: skip
+    conditions = [key, *token, task_id, delivery.retries]
     queue_in_set = connection.vendor != "sqlite"  # see _claim_sql
     update = [*assignments, *([queue, queue] if queue_in_set else []), *conditions]
     update += [] if queue_in_set else [queue, queue]
-    log = [
-        source(delivery), Verdict.STARTED, "", delivery.delivery_count, delivery.retries,
-        worker, task_id, message_id, queue, stamp, deadline,
-    ]  # fmt: skip
+    log = [delivery.delivery_count, delivery.retries, worker, task_id, message_id, queue, stamp, deadline]
     return update, log
 
 
 @functools.cache
 def _success_sql(vendor: str) -> tuple[str, str]:
     o, d = _NAMES[vendor]
+    succeeded, running, executed = (
+        _literal(Status.SUCCEEDED),
+        _literal(Status.RUNNING),
+        _literal(Verdict.EXECUTED),
+    )
     outcome = f"""
-        UPDATE {o["table"]} SET {o["status"]} = %s, {o["result"]} = %s, {o["error"]} = '',
+        UPDATE {o["table"]} SET {o["status"]} = {succeeded}, {o["result"]} = %s, {o["error"]} = '',
             {o["traceback"]} = '', {o["finished_at"]} = %s, {o["lease_deadline"]} = NULL,
             {o["updated_at"]} = %s
-        WHERE {o["id"]} = %s AND {o["fence_token"]} = %s AND {o["status"]} = %s
+        WHERE {o["id"]} = %s AND {o["fence_token"]} = %s AND {o["status"]} = {running}
     """
-    log = f"UPDATE {d['table']} SET {d['verdict']} = %s, {d['finished_at']} = %s WHERE {d['id']} = %s"
+    log = f"UPDATE {d['table']} SET {d['verdict']} = {executed}, {d['finished_at']} = %s WHERE {d['id']} = %s"
     if vendor == "sqlite":
         return outcome, log
     both = f"""
@@ -340,8 +354,8 @@ def mark_succeeded(connection, outcome_id: int, token: int, log_id: int, stored,
     outcome_sql, log_sql = _success_sql(connection.vendor)
     stamp = ops.adapt_datetimefield_value(now)
     result = None if stored is None else ops.adapt_json_value(stored, DjangoJSONEncoder)
-    outcome_params = [Status.SUCCEEDED, result, stamp, stamp, outcome_id, token, Status.RUNNING]
-    log_params = [Verdict.EXECUTED, stamp, log_id]
+    outcome_params = [result, stamp, stamp, outcome_id, token]
+    log_params = [stamp, log_id]
     with cursor(connection) as statement:
         if not log_sql:
             statement.execute(outcome_sql, [*outcome_params, *log_params])
