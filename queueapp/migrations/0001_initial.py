@@ -7,402 +7,97 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     initial = True
 
-    dependencies = []
+    dependencies = [
+    ]
 
     operations = [
         migrations.CreateModel(
-            name="OutboxMessage",
+            name='OutboxMessage',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("task_name", models.CharField(max_length=255, verbose_name="task name")),
-                ("task_id", models.CharField(max_length=255, unique=True, verbose_name="task id")),
-                (
-                    "idempotency_key",
-                    models.CharField(blank=True, max_length=255, verbose_name="idempotency key"),
-                ),
-                (
-                    "args",
-                    models.JSONField(
-                        blank=True,
-                        default=list,
-                        encoder=django.core.serializers.json.DjangoJSONEncoder,
-                        verbose_name="args",
-                    ),
-                ),
-                (
-                    "kwargs",
-                    models.JSONField(
-                        blank=True,
-                        default=dict,
-                        encoder=django.core.serializers.json.DjangoJSONEncoder,
-                        verbose_name="kwargs",
-                    ),
-                ),
-                (
-                    "options",
-                    models.JSONField(
-                        blank=True,
-                        default=dict,
-                        encoder=django.core.serializers.json.DjangoJSONEncoder,
-                        help_text="apply_async options (queue, countdown, priority, headers...).",
-                        verbose_name="publish options",
-                    ),
-                ),
-                (
-                    "status",
-                    models.CharField(
-                        choices=[("pending", "pending"), ("sent", "sent")],
-                        default="pending",
-                        max_length=16,
-                        verbose_name="status",
-                    ),
-                ),
-                ("relay_attempts", models.PositiveIntegerField(default=0, verbose_name="relay attempts")),
-                ("last_error", models.TextField(blank=True, verbose_name="last error")),
-                (
-                    "created_at",
-                    models.DateTimeField(default=django.utils.timezone.now, verbose_name="created at"),
-                ),
-                (
-                    "available_at",
-                    models.DateTimeField(
-                        default=django.utils.timezone.now,
-                        help_text="Not relayed before this time (back-off).",
-                        verbose_name="available at",
-                    ),
-                ),
-                ("sent_at", models.DateTimeField(blank=True, null=True, verbose_name="sent at")),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('task_name', models.CharField(max_length=255, verbose_name='task name')),
+                ('task_id', models.CharField(max_length=255, unique=True, verbose_name='task id')),
+                ('idempotency_key', models.CharField(blank=True, max_length=255, verbose_name='idempotency key')),
+                ('args', models.JSONField(blank=True, default=list, encoder=django.core.serializers.json.DjangoJSONEncoder, verbose_name='args')),
+                ('kwargs', models.JSONField(blank=True, default=dict, encoder=django.core.serializers.json.DjangoJSONEncoder, verbose_name='kwargs')),
+                ('options', models.JSONField(blank=True, default=dict, encoder=django.core.serializers.json.DjangoJSONEncoder, help_text='apply_async options (queue, countdown, priority, headers...).', verbose_name='publish options')),
+                ('status', models.CharField(choices=[('pending', 'pending'), ('sent', 'sent')], default='pending', max_length=16, verbose_name='status')),
+                ('relay_attempts', models.PositiveIntegerField(default=0, verbose_name='relay attempts')),
+                ('last_error', models.TextField(blank=True, verbose_name='last error')),
+                ('created_at', models.DateTimeField(default=django.utils.timezone.now, verbose_name='created at')),
+                ('available_at', models.DateTimeField(default=django.utils.timezone.now, help_text='Not relayed before this time (back-off).', verbose_name='available at')),
+                ('sent_at', models.DateTimeField(blank=True, null=True, verbose_name='sent at')),
             ],
             options={
-                "verbose_name": "outbox message",
-                "verbose_name_plural": "outbox messages",
-                "ordering": ("created_at", "id"),
-                "indexes": [
-                    models.Index(fields=["status", "available_at"], name="queueapp_outbox_pending_idx"),
-                    models.Index(fields=["-created_at"], name="queueapp_outbox_created_idx"),
-                ],
+                'verbose_name': 'outbox message',
+                'verbose_name_plural': 'outbox messages',
+                'ordering': ('created_at', 'id'),
+                'indexes': [models.Index(fields=['status', 'available_at'], name='queueapp_outbox_pending_idx'), models.Index(fields=['-created_at'], name='queueapp_outbox_created_idx')],
             },
         ),
         migrations.CreateModel(
-            name="TaskOutcome",
+            name='TaskOutcome',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                (
-                    "idempotency_key",
-                    models.CharField(
-                        help_text="The key the task's effects are deduplicated on (default: the Celery task id).",
-                        max_length=255,
-                        unique=True,
-                        verbose_name="idempotency key",
-                    ),
-                ),
-                (
-                    "task_name",
-                    models.CharField(
-                        help_text="Registered Celery task name.", max_length=255, verbose_name="task name"
-                    ),
-                ),
-                (
-                    "queue",
-                    models.CharField(
-                        blank=True,
-                        help_text="Queue the latest delivery came from.",
-                        max_length=255,
-                        verbose_name="queue",
-                    ),
-                ),
-                (
-                    "status",
-                    models.CharField(
-                        choices=[
-                            ("queued", "queued"),
-                            ("running", "running"),
-                            ("succeeded", "succeeded"),
-                            ("failed", "failed"),
-                            ("dead", "dead"),
-                        ],
-                        default="queued",
-                        help_text="Lifecycle state.",
-                        max_length=16,
-                        verbose_name="status",
-                    ),
-                ),
-                (
-                    "args",
-                    models.JSONField(
-                        blank=True,
-                        default=list,
-                        encoder=django.core.serializers.json.DjangoJSONEncoder,
-                        help_text="Positional arguments (JSON).",
-                        verbose_name="args",
-                    ),
-                ),
-                (
-                    "kwargs",
-                    models.JSONField(
-                        blank=True,
-                        default=dict,
-                        encoder=django.core.serializers.json.DjangoJSONEncoder,
-                        help_text="Keyword arguments (JSON).",
-                        verbose_name="kwargs",
-                    ),
-                ),
-                (
-                    "attempts",
-                    models.PositiveIntegerField(
-                        default=0,
-                        help_text="Times the body ran (first run, Celery retries and redeliveries that got to run).",
-                        verbose_name="attempts",
-                    ),
-                ),
-                (
-                    "deliveries",
-                    models.PositiveIntegerField(
-                        default=0,
-                        help_text="Deliveries seen, duplicates and refusals included.",
-                        verbose_name="deliveries",
-                    ),
-                ),
-                (
-                    "fence_token",
-                    models.BigIntegerField(
-                        default=0,
-                        help_text="Highest fencing token seen for this key; a lower or equal one never commits.",
-                        verbose_name="fencing token",
-                    ),
-                ),
-                (
-                    "worker",
-                    models.CharField(
-                        blank=True,
-                        help_text="Hostname of the worker of the latest run.",
-                        max_length=255,
-                        verbose_name="worker",
-                    ),
-                ),
-                (
-                    "task_id",
-                    models.CharField(
-                        blank=True,
-                        help_text="Celery task id of the latest delivery.",
-                        max_length=255,
-                        verbose_name="task id",
-                    ),
-                ),
-                (
-                    "message_id",
-                    models.CharField(
-                        blank=True,
-                        help_text="Broker message id of the latest delivery (task id and retry number).",
-                        max_length=255,
-                        verbose_name="message id",
-                    ),
-                ),
-                (
-                    "queued_at",
-                    models.DateTimeField(
-                        default=django.utils.timezone.now,
-                        help_text="When first recorded.",
-                        verbose_name="queued at",
-                    ),
-                ),
-                (
-                    "eta",
-                    models.DateTimeField(
-                        blank=True,
-                        help_text="Earliest time the task was asked to run, if any.",
-                        null=True,
-                        verbose_name="ETA",
-                    ),
-                ),
-                (
-                    "first_started_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="first started at"),
-                ),
-                (
-                    "last_started_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="last started at"),
-                ),
-                ("finished_at", models.DateTimeField(blank=True, null=True, verbose_name="finished at")),
-                (
-                    "lease_deadline",
-                    models.DateTimeField(
-                        blank=True,
-                        help_text="When the running delivery's broker lease ends unless extended (estimate, for the stuck view).",
-                        null=True,
-                        verbose_name="lease deadline",
-                    ),
-                ),
-                (
-                    "result",
-                    models.JSONField(
-                        blank=True,
-                        encoder=django.core.serializers.json.DjangoJSONEncoder,
-                        help_text="Return value of the success.",
-                        null=True,
-                        verbose_name="result",
-                    ),
-                ),
-                (
-                    "error",
-                    models.TextField(
-                        blank=True, help_text="Last error (type and message).", verbose_name="error"
-                    ),
-                ),
-                (
-                    "traceback",
-                    models.TextField(
-                        blank=True, help_text="Traceback of the last error.", verbose_name="traceback"
-                    ),
-                ),
-                (
-                    "suppressed_duplicates",
-                    models.PositiveIntegerField(
-                        default=0,
-                        help_text="Deliveries suppressed because the key had already succeeded (or was dead).",
-                        verbose_name="suppressed duplicates",
-                    ),
-                ),
-                (
-                    "stale_refusals",
-                    models.PositiveIntegerField(
-                        default=0,
-                        help_text="Deliveries refused because a newer fencing token had been seen.",
-                        verbose_name="stale refusals",
-                    ),
-                ),
-                (
-                    "deferrals",
-                    models.PositiveIntegerField(
-                        default=0,
-                        help_text="Deliveries given back to the broker with a higher token floor (e.g. after a failover).",
-                        verbose_name="deferrals",
-                    ),
-                ),
-                (
-                    "updated_at",
-                    models.DateTimeField(default=django.utils.timezone.now, verbose_name="updated at"),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('idempotency_key', models.CharField(help_text="The key the task's effects are deduplicated on (default: the Celery task id).", max_length=255, unique=True, verbose_name='idempotency key')),
+                ('task_name', models.CharField(help_text='Registered Celery task name.', max_length=255, verbose_name='task name')),
+                ('queue', models.CharField(blank=True, help_text='Queue the latest delivery came from.', max_length=255, verbose_name='queue')),
+                ('status', models.CharField(choices=[('queued', 'queued'), ('running', 'running'), ('succeeded', 'succeeded'), ('failed', 'failed'), ('dead', 'dead')], default='queued', help_text='Lifecycle state.', max_length=16, verbose_name='status')),
+                ('args', models.JSONField(blank=True, default=list, encoder=django.core.serializers.json.DjangoJSONEncoder, help_text='Positional arguments (JSON).', verbose_name='args')),
+                ('kwargs', models.JSONField(blank=True, default=dict, encoder=django.core.serializers.json.DjangoJSONEncoder, help_text='Keyword arguments (JSON).', verbose_name='kwargs')),
+                ('attempts', models.PositiveIntegerField(default=0, help_text='Times the body ran (first run, Celery retries and redeliveries that got to run).', verbose_name='attempts')),
+                ('deliveries', models.PositiveIntegerField(default=0, help_text='Deliveries seen, duplicates and refusals included.', verbose_name='deliveries')),
+                ('fence_token', models.BigIntegerField(default=0, help_text='Highest fencing token seen for this key; a lower or equal one never commits.', verbose_name='fencing token')),
+                ('worker', models.CharField(blank=True, help_text='Hostname of the worker of the latest run.', max_length=255, verbose_name='worker')),
+                ('task_id', models.CharField(blank=True, help_text='Celery task id of the latest delivery.', max_length=255, verbose_name='task id')),
+                ('message_id', models.CharField(blank=True, help_text='Broker message id of the latest delivery (task id and retry number).', max_length=255, verbose_name='message id')),
+                ('queued_at', models.DateTimeField(default=django.utils.timezone.now, help_text='When first recorded.', verbose_name='queued at')),
+                ('eta', models.DateTimeField(blank=True, help_text='Earliest time the task was asked to run, if any.', null=True, verbose_name='ETA')),
+                ('first_started_at', models.DateTimeField(blank=True, null=True, verbose_name='first started at')),
+                ('last_started_at', models.DateTimeField(blank=True, null=True, verbose_name='last started at')),
+                ('finished_at', models.DateTimeField(blank=True, null=True, verbose_name='finished at')),
+                ('lease_deadline', models.DateTimeField(blank=True, help_text="When the running delivery's broker lease ends unless extended (estimate, for the stuck view).", null=True, verbose_name='lease deadline')),
+                ('result', models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, help_text='Return value of the success.', null=True, verbose_name='result')),
+                ('error', models.TextField(blank=True, help_text='Last error (type and message).', verbose_name='error')),
+                ('traceback', models.TextField(blank=True, help_text='Traceback of the last error.', verbose_name='traceback')),
+                ('suppressed_duplicates', models.PositiveIntegerField(default=0, help_text='Deliveries suppressed because the key had already succeeded (or was dead).', verbose_name='suppressed duplicates')),
+                ('stale_refusals', models.PositiveIntegerField(default=0, help_text='Deliveries refused because a newer fencing token had been seen.', verbose_name='stale refusals')),
+                ('deferrals', models.PositiveIntegerField(default=0, help_text='Deliveries given back to the broker with a higher token floor (e.g. after a failover).', verbose_name='deferrals')),
+                ('updated_at', models.DateTimeField(default=django.utils.timezone.now, verbose_name='updated at')),
             ],
             options={
-                "verbose_name": "task outcome",
-                "verbose_name_plural": "task outcomes",
-                "ordering": ("-queued_at",),
-                "indexes": [
-                    models.Index(fields=["status", "-last_started_at"], name="queueapp_outcome_status_idx"),
-                    models.Index(fields=["task_name"], name="queueapp_outcome_task_idx"),
-                    models.Index(fields=["queue"], name="queueapp_outcome_queue_idx"),
-                    models.Index(fields=["-last_started_at"], name="queueapp_outcome_started_idx"),
-                    models.Index(fields=["-queued_at"], name="queueapp_outcome_queued_idx"),
-                    models.Index(fields=["status", "lease_deadline"], name="queueapp_outcome_lease_idx"),
-                ],
+                'verbose_name': 'task outcome',
+                'verbose_name_plural': 'task outcomes',
+                'ordering': ('-queued_at',),
+                'indexes': [models.Index(fields=['status', '-last_started_at'], name='queueapp_outcome_status_idx'), models.Index(fields=['task_name'], name='queueapp_outcome_task_idx'), models.Index(fields=['queue'], name='queueapp_outcome_queue_idx'), models.Index(fields=['-last_started_at'], name='queueapp_outcome_started_idx'), models.Index(fields=['-queued_at'], name='queueapp_outcome_queued_idx'), models.Index(fields=['status', 'lease_deadline'], name='queueapp_outcome_lease_idx')],
             },
         ),
         migrations.CreateModel(
-            name="TaskDelivery",
+            name='TaskDelivery',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                (
-                    "fence_token",
-                    models.BigIntegerField(
-                        help_text="Token this delivery presented.", verbose_name="fencing token"
-                    ),
-                ),
-                (
-                    "token_source",
-                    models.CharField(
-                        choices=[("broker", "broker (fenced://)"), ("database", "database counter")],
-                        default="broker",
-                        help_text="Where the token came from: the broker, or the database fallback without fenced://.",
-                        max_length=16,
-                        verbose_name="token source",
-                    ),
-                ),
-                (
-                    "delivery_count",
-                    models.PositiveIntegerField(
-                        blank=True,
-                        help_text="Broker's delivery count of the message (1: first).",
-                        null=True,
-                        verbose_name="delivery count",
-                    ),
-                ),
-                (
-                    "retries",
-                    models.PositiveIntegerField(
-                        default=0, help_text="Celery retry number.", verbose_name="retries"
-                    ),
-                ),
-                ("worker", models.CharField(blank=True, max_length=255, verbose_name="worker")),
-                ("task_id", models.CharField(blank=True, max_length=255, verbose_name="task id")),
-                ("message_id", models.CharField(blank=True, max_length=255, verbose_name="message id")),
-                ("queue", models.CharField(blank=True, max_length=255, verbose_name="queue")),
-                (
-                    "verdict",
-                    models.CharField(
-                        choices=[
-                            ("started", "started (no verdict yet)"),
-                            ("executed", "executed and committed"),
-                            ("suppressed_duplicate", "suppressed duplicate"),
-                            ("refused_stale", "refused: stale token"),
-                            ("deferred", "deferred: token below the database's"),
-                            ("retried", "failed, retry scheduled"),
-                            ("failed", "failed"),
-                        ],
-                        default="started",
-                        help_text="What this delivery did.",
-                        max_length=32,
-                        verbose_name="verdict",
-                    ),
-                ),
-                (
-                    "detail",
-                    models.TextField(
-                        blank=True, help_text="Why, or the error of a failed run.", verbose_name="detail"
-                    ),
-                ),
-                (
-                    "started_at",
-                    models.DateTimeField(default=django.utils.timezone.now, verbose_name="started at"),
-                ),
-                ("finished_at", models.DateTimeField(blank=True, null=True, verbose_name="finished at")),
-                (
-                    "outcome",
-                    models.ForeignKey(
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="delivery_log",
-                        to="queueapp.taskoutcome",
-                        verbose_name="outcome",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('fence_token', models.BigIntegerField(help_text='Token this delivery presented.', verbose_name='fencing token')),
+                ('token_source', models.CharField(choices=[('broker', 'broker (fenced://)'), ('database', 'database counter')], default='broker', help_text='Where the token came from: the broker, or the database fallback without fenced://.', max_length=16, verbose_name='token source')),
+                ('delivery_count', models.PositiveIntegerField(blank=True, help_text="Broker's delivery count of the message (1: first).", null=True, verbose_name='delivery count')),
+                ('retries', models.PositiveIntegerField(default=0, help_text='Celery retry number.', verbose_name='retries')),
+                ('worker', models.CharField(blank=True, max_length=255, verbose_name='worker')),
+                ('task_id', models.CharField(blank=True, max_length=255, verbose_name='task id')),
+                ('message_id', models.CharField(blank=True, max_length=255, verbose_name='message id')),
+                ('queue', models.CharField(blank=True, max_length=255, verbose_name='queue')),
+                ('verdict', models.CharField(choices=[('started', 'started (no verdict yet)'), ('executed', 'executed and committed'), ('suppressed_duplicate', 'suppressed duplicate'), ('refused_stale', 'refused: stale token'), ('deferred', "deferred: token below the database's"), ('retried', 'failed, retry scheduled'), ('failed', 'failed')], default='started', help_text='What this delivery did.', max_length=32, verbose_name='verdict')),
+                ('detail', models.TextField(blank=True, help_text='Why, or the error of a failed run.', verbose_name='detail')),
+                ('started_at', models.DateTimeField(default=django.utils.timezone.now, verbose_name='started at')),
+                ('finished_at', models.DateTimeField(blank=True, null=True, verbose_name='finished at')),
+                ('outcome', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='delivery_log', to='queueapp.taskoutcome', verbose_name='outcome')),
             ],
             options={
-                "verbose_name": "task delivery",
-                "verbose_name_plural": "task deliveries",
-                "ordering": ("-started_at", "-id"),
-                "indexes": [
-                    models.Index(fields=["outcome", "-started_at"], name="queueapp_delivery_outcome_idx"),
-                    models.Index(fields=["verdict"], name="queueapp_delivery_verdict_idx"),
-                    models.Index(fields=["-started_at"], name="queueapp_delivery_started_idx"),
-                    models.Index(fields=["task_id"], name="queueapp_delivery_task_idx"),
-                ],
+                'verbose_name': 'task delivery',
+                'verbose_name_plural': 'task deliveries',
+                'ordering': ('-started_at', '-id'),
+                'indexes': [models.Index(fields=['outcome', '-started_at'], name='queueapp_delivery_outcome_idx'), models.Index(fields=['verdict'], name='queueapp_delivery_verdict_idx'), models.Index(fields=['-started_at'], name='queueapp_delivery_started_idx'), models.Index(fields=['task_id'], name='queueapp_delivery_task_idx')],
             },
         ),
     ]

@@ -4,21 +4,14 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("queueapp", "0001_initial"),
+        ('queueapp', '0001_initial'),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name="taskoutcome",
-            options={
-                "ordering": ("-queued_at",),
-                "permissions": [
-                    ("requeue_taskoutcome", "Can requeue task outcomes and dead-lettered messages"),
-                    ("mark_dead_taskoutcome", "Can mark task outcomes dead"),
-                ],
-                "verbose_name": "task outcome",
-                "verbose_name_plural": "task outcomes",
-            },
+            name='taskoutcome',
+            options={'ordering': ('-queued_at',), 'permissions': [('requeue_taskoutcome', 'Can requeue task outcomes and dead-lettered messages'), ('mark_dead_taskoutcome', 'Can mark task outcomes dead')], 'verbose_name': 'task outcome', 'verbose_name_plural': 'task outcomes'},
         ),
     ]

@@ -4,18 +4,15 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("queueapp", "0002_operator_permissions"),
+        ('queueapp', '0002_operator_permissions'),
     ]
 
     operations = [
         migrations.AddField(
-            model_name="taskoutcome",
-            name="retries",
-            field=models.PositiveIntegerField(
-                default=0,
-                help_text="Celery retry number of the attempt that holds the key: an older attempt of the same task never takes it back.",
-                verbose_name="retries",
-            ),
+            model_name='taskoutcome',
+            name='retries',
+            field=models.PositiveIntegerField(default=0, help_text='Celery retry number of the attempt that holds the key: an older attempt of the same task never takes it back.', verbose_name='retries'),
         ),
     ]

@@ -4,29 +4,15 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("queueapp", "0003_attempt_retries"),
+        ('queueapp', '0003_attempt_retries'),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name="taskdelivery",
-            name="verdict",
-            field=models.CharField(
-                choices=[
-                    ("started", "started (no verdict yet)"),
-                    ("executed", "executed and committed"),
-                    ("suppressed_duplicate", "suppressed duplicate"),
-                    ("refused_stale", "refused: stale token"),
-                    ("deferred", "deferred: token below the database's"),
-                    ("retried", "failed, retry scheduled"),
-                    ("failed", "failed"),
-                    ("dead_lettered", "dead-lettered by the broker"),
-                ],
-                default="started",
-                help_text="What this delivery did.",
-                max_length=32,
-                verbose_name="verdict",
-            ),
+            model_name='taskdelivery',
+            name='verdict',
+            field=models.CharField(choices=[('started', 'started (no verdict yet)'), ('executed', 'executed and committed'), ('suppressed_duplicate', 'suppressed duplicate'), ('refused_stale', 'refused: stale token'), ('deferred', "deferred: token below the database's"), ('retried', 'failed, retry scheduled'), ('failed', 'failed'), ('dead_lettered', 'dead-lettered by the broker')], default='started', help_text='What this delivery did.', max_length=32, verbose_name='verdict'),
         ),
     ]

@@ -6,72 +6,35 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("queueapp", "0004_dead_lettered_verdict"),
+        ('queueapp', '0004_dead_lettered_verdict'),
     ]
 
     operations = [
         migrations.AddField(
-            model_name="taskdelivery",
-            name="lease_deadline",
-            field=models.DateTimeField(
-                blank=True,
-                help_text="When this delivery's lease ended unless its worker extended it (set when it claimed the key; the broker's reclaim log says when it was last extended).",
-                null=True,
-                verbose_name="lease deadline",
-            ),
+            model_name='taskdelivery',
+            name='lease_deadline',
+            field=models.DateTimeField(blank=True, help_text="When this delivery's lease ended unless its worker extended it (set when it claimed the key; the broker's reclaim log says when it was last extended).", null=True, verbose_name='lease deadline'),
         ),
         migrations.CreateModel(
-            name="OperatorAction",
+            name='OperatorAction',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                (
-                    "action",
-                    models.CharField(
-                        help_text="requeue, mark dead, revive...", max_length=64, verbose_name="action"
-                    ),
-                ),
-                (
-                    "actor",
-                    models.CharField(
-                        blank=True, help_text="User name, if known.", max_length=255, verbose_name="actor"
-                    ),
-                ),
-                (
-                    "via",
-                    models.CharField(
-                        blank=True,
-                        help_text="the admin, manage.py requeue...",
-                        max_length=64,
-                        verbose_name="via",
-                    ),
-                ),
-                ("queue", models.CharField(blank=True, max_length=255, verbose_name="queue")),
-                ("message_id", models.CharField(blank=True, max_length=255, verbose_name="message id")),
-                ("detail", models.TextField(blank=True, verbose_name="detail")),
-                ("at", models.DateTimeField(default=django.utils.timezone.now, verbose_name="at")),
-                (
-                    "outcome",
-                    models.ForeignKey(
-                        blank=True,
-                        null=True,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="operator_actions",
-                        to="queueapp.taskoutcome",
-                        verbose_name="outcome",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('action', models.CharField(help_text='requeue, mark dead, revive...', max_length=64, verbose_name='action')),
+                ('actor', models.CharField(blank=True, help_text='User name, if known.', max_length=255, verbose_name='actor')),
+                ('via', models.CharField(blank=True, help_text='the admin, manage.py requeue...', max_length=64, verbose_name='via')),
+                ('queue', models.CharField(blank=True, max_length=255, verbose_name='queue')),
+                ('message_id', models.CharField(blank=True, max_length=255, verbose_name='message id')),
+                ('detail', models.TextField(blank=True, verbose_name='detail')),
+                ('at', models.DateTimeField(default=django.utils.timezone.now, verbose_name='at')),
+                ('outcome', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='operator_actions', to='queueapp.taskoutcome', verbose_name='outcome')),
             ],
             options={
-                "verbose_name": "operator action",
-                "verbose_name_plural": "operator actions",
-                "ordering": ("-at", "-id"),
-                "indexes": [models.Index(fields=["outcome", "-at"], name="queueapp_action_outcome_idx")],
+                'verbose_name': 'operator action',
+                'verbose_name_plural': 'operator actions',
+                'ordering': ('-at', '-id'),
+                'indexes': [models.Index(fields=['outcome', '-at'], name='queueapp_action_outcome_idx')],
             },
         ),
     ]
