@@ -215,7 +215,6 @@ class ClaimSQL:
     log_insert: str = ""
 
 
-@functools.cache
 def _literal(choice: str) -> str:
     """A status, verdict or token source written into the SQL: one value fewer to bind per call."""
     if not choice.replace("_", "").isalnum():
@@ -223,6 +222,7 @@ def _literal(choice: str) -> str:
     return f"'{choice}'"
 
 
+@functools.cache
 def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
     o, d = _NAMES[vendor]
     queued, running, failed = _literal(Status.QUEUED), _literal(Status.RUNNING), _literal(Status.FAILED)
@@ -311,11 +311,10 @@ def claim_params(
         stamp, stamp, deadline, stamp, given_args, given_kwargs,
     ]  # fmt: skip
     conditions = [key, *token, task_id, delivery.retries]
-    queue_in_set = connection.vendor != "sqlite"  # see _claim_sql
-    update = [*assignments, *([queue, queue] if queue_in_set else []), *conditions]
-    update += [] if queue_in_set else [queue, queue]
     log = [delivery.delivery_count, delivery.retries, worker, task_id, message_id, queue, stamp, deadline]
-    return update, log
+    if connection.vendor == "sqlite":  # The queue is a condition there, an assignment elsewhere (_claim_sql).
+        return [*assignments, *conditions, queue, queue], log
+    return [*assignments, queue, queue, *conditions], log
 
 
 @functools.cache
