@@ -28,6 +28,19 @@ class DeliveryRefused(QueueappError):
         self.detail = detail
 
 
+class BodyFailed(QueueappError):
+    """Raised when a body run under SQLite's write lock raised: rolled back, nothing written.
+
+    Internal control flow of :mod:`queueapp.single_writer`; ``held`` is the
+    claim decided under the lock, ``error`` what the body raised.
+    """
+
+    def __init__(self, held, error: Exception) -> None:
+        super().__init__(f"the body of {held.key} raised {error!r}")
+        self.held = held
+        self.error = error
+
+
 class OutboxError(QueueappError):
     """Raised when an outbox row cannot be written (unknown task, arguments not JSON)."""
 

@@ -10,6 +10,11 @@ The order matters and is the guarantee:
 3. :func:`queueapp.ledger.commit` runs the body and commits its writes with
    the success, conditional on the token, or rolls everything back.
 
+On SQLite, steps 2 and 3 are one transaction under the database's write lock
+(:mod:`queueapp.single_writer`) whenever the common claim matches; a body that
+raises there is rolled back whole, and its failure is recorded by a claim made
+after (:func:`_held_failed`).
+
 Celery's ``self.retry()`` and ``autoretry_for`` are attempts of the same key:
 the retry message carries the same task id (the default key) or the same
 arguments (a key function), and a failed attempt leaves the key *queued*
@@ -18,16 +23,17 @@ until the next attempt claims it; only the last failure marks it *failed*.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
 from django.db import DatabaseError, InterfaceError, OperationalError
 
-from queueapp import broker, cache, conf, ledger
+from queueapp import broker, cache, conf, ledger, single_writer
 from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
-from queueapp.errors import DeliveryRefused
+from queueapp.errors import BodyFailed, DeliveryRefused
 
 logger = logging.getLogger(__name__)
 
@@ -115,21 +121,45 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
     if cached is not None:
         _audit_cached_duplicate(task, key, delivery)
         return cached.result
+    if single_writer.applies(conf.get("DATABASE")):
+        try:
+            result = single_writer.run(
+                key,
+                delivery,
+                body,
+                args=args,
+                kwargs=kwargs,
+                cache_success=not uncached,
+                running=lambda held: _running(held, delivery),
+            )
+        except BodyFailed as failed:
+            return _held_failed(task, failed, delivery, args, kwargs)
+        except DatabaseError as exc:
+            return _database_unavailable(task, key, delivery, exc)
+        if result is not single_writer.NOT_HELD:
+            return result
     try:
         decision = ledger.claim(
             key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)
         )
     except DatabaseError as exc:
         return _database_unavailable(task, key, delivery, exc)
-    if isinstance(decision, ledger.Suppressed):
-        logger.info("suppressed duplicate of %s [%s]: key already %s", task.name, key, decision.status)
-        if decision.status == ledger.Status.SUCCEEDED:
-            cache.remember(key, decision.result)
-            return decision.result
-        return None
+    if isinstance(decision, ledger.Claim):
+        return _run_claimed(task, decision, body, delivery, cache_success=not uncached)
+    return _not_claimed(task, key, delivery, decision)
+
+
+def _not_claimed(
+    task, key: str, delivery: DeliveryInfo, decision: ledger.Suppressed | ledger.Outranked
+) -> Any:
+    """A delivery the database would not let run: a suppressed duplicate's stored result, or the deferral."""
     if isinstance(decision, ledger.Outranked):
         return _outranked(task, key, delivery, decision)
-    return _run_claimed(task, decision, body, delivery, cache_success=not uncached)
+    logger.info("suppressed duplicate of %s [%s]: key already %s", task.name, key, decision.status)
+    if decision.status == ledger.Status.SUCCEEDED:
+        cache.remember(key, decision.result)
+        return decision.result
+    return None
 
 
 def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
@@ -141,46 +171,79 @@ def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
             logger.warning("could not log the cached duplicate of %s: %r", key, exc)
 
 
+@contextlib.contextmanager
+def _running(claim: ledger.Claim | single_writer.HeldClaim, delivery: DeliveryInfo) -> Iterator[None]:
+    """The :class:`ExactlyOnceContext` of a claimed delivery, for its body to read."""
+    reset = activate(
+        ExactlyOnceContext(
+            key=claim.key,
+            token=claim.token,
+            token_source=claim.token_source,
+            attempt=claim.attempt,
+            outcome_id=claim.outcome_id,
+            delivery=delivery,
+        )
+    )
+    try:
+        yield
+    finally:
+        deactivate(reset)
+
+
 def _run_claimed(
     task, claim: ledger.Claim, body: Callable[[], Any], delivery: DeliveryInfo, *, cache_success: bool = True
 ) -> Any:
     """Run the body of a claimed delivery and commit; every way out leaves a verdict or gives it back."""
-    context = ExactlyOnceContext(
-        key=claim.key,
-        token=claim.token,
-        token_source=claim.token_source,
-        attempt=claim.attempt,
-        outcome_id=claim.outcome_id,
-        delivery=delivery,
-    )
-    reset = activate(context)
+    with _running(claim, delivery):
+        try:
+            return ledger.commit(claim, body, cache_success=cache_success, just_claimed=True)
+        except Exception as exc:
+            return _failed(task, claim, delivery, exc)
+
+
+def _held_failed(task, failed: BodyFailed, delivery: DeliveryInfo, args: list, kwargs: dict) -> Any:
+    """A body run under SQLite's write lock raised, nothing written: record it the two-transaction way.
+
+    The claim is made now and the failure recorded on it, as if the claim had
+    been committed before the body. If another delivery took the key in the
+    instant between the rollback and this claim, this one is suppressed or
+    outranked like any delivery that came after it.
+    """
+    key = failed.held.key
     try:
-        return ledger.commit(claim, body, cache_success=cache_success, just_claimed=True)
-    except DeliveryRefused as refusal:
-        logger.warning(
-            "delivery of %s [%s] refused, nothing committed: %s", task.name, claim.key, refusal.detail
+        decision = ledger.claim(
+            key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)
         )
-        _record(ledger.record_refusal, claim, refusal)
+    except DatabaseError as exc:
+        logger.error("could not record the failure of %s [%s]: %r", task.name, key, exc)
+        return _database_unavailable(task, key, delivery, exc)
+    if isinstance(decision, ledger.Claim):
+        return _failed(task, decision, delivery, failed.error)
+    return _not_claimed(task, key, delivery, decision)
+
+
+def _failed(task, claim: ledger.Claim, delivery: DeliveryInfo, exc: Exception) -> Any:
+    """Record why a claimed delivery did not commit; return, or raise what Celery must see."""
+    if isinstance(exc, DeliveryRefused):
+        logger.warning("delivery of %s [%s] refused, nothing committed: %s", task.name, claim.key, exc.detail)
+        _record(ledger.record_refusal, claim, exc)
         return None
-    except Retry as exc:
+    if isinstance(exc, Retry):
         _record(ledger.record_failure, claim, exc, retrying=True)
-        raise
-    except DATABASE_GONE as exc:
+        raise exc
+    if isinstance(exc, DATABASE_GONE):
         # The database went away while the body ran or committed. Whether the commit landed is
         # for the row to say: the delivery goes back, and the next one is suppressed or runs.
         _record(ledger.record_failure, claim, exc, retrying=True)
         return _database_unavailable(task, claim.key, delivery, exc)
-    except Reject as exc:
+    if isinstance(exc, Reject):
         _record(ledger.record_failure, claim, exc, retrying=bool(exc.requeue))
-        raise
-    except Exception as exc:
-        retrying = will_autoretry(task, exc, delivery.retries)
-        if not _record(ledger.record_failure, claim, exc, retrying=retrying) and not retrying:
-            raise Reject(f"the failure of {claim.key} could not be recorded: {exc!r}", requeue=True) from exc
-        setattr(exc, ACKABLE, True)
-        raise
-    finally:
-        deactivate(reset)
+        raise exc
+    retrying = will_autoretry(task, exc, delivery.retries)
+    if not _record(ledger.record_failure, claim, exc, retrying=retrying) and not retrying:
+        raise Reject(f"the failure of {claim.key} could not be recorded: {exc!r}", requeue=True) from exc
+    setattr(exc, ACKABLE, True)
+    raise exc
 
 
 def _record(writer, *args, **kwargs) -> bool:

@@ -17,6 +17,11 @@ Two transactions per delivery that runs, one of them synchronous:
 Every later write to an outcome row is conditional on the writer's token, so a
 delivery that lost the key can never overwrite the state of the one that owns it.
 
+On SQLite a worker's delivery usually takes neither step here: its body holds
+the database's one write lock anyway, so :mod:`queueapp.single_writer` checks,
+runs and commits the claim with the success in one transaction, and comes here
+only for the cases the common claim does not match (and to record a failure).
+
 The common path's SQL (the queued record, the common claim, the success) is
 written once in :mod:`queueapp.statements`; this module decides when each
 runs and in which transaction.

@@ -222,9 +222,15 @@ def _literal(choice: str) -> str:
     return f"'{choice}'"
 
 
-@functools.cache
-def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
-    o, d = _NAMES[vendor]
+def _claim_fragments(vendor: str, fenced: bool, *, succeeded: bool = False) -> tuple[str, str]:
+    """The claim's ``SET`` list and ``WHERE`` condition, shared by every statement that claims a key.
+
+    ``succeeded`` writes the claim and the success at once (SQLite's
+    :mod:`queueapp.single_writer`): the same assignments, with the row
+    *succeeded* and finished instead of *running* under a lease, and its result.
+    The values to bind, in order, are :func:`claim_params`'s.
+    """
+    o, _ = _NAMES[vendor]
     queued, running, failed = _literal(Status.QUEUED), _literal(Status.RUNNING), _literal(Status.FAILED)
     if fenced:  # The broker's token, if above the stored one.
         token_sql, token_condition = "%s", f"AND {o['fence_token']} < %s"
@@ -240,12 +246,21 @@ def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
     )
     if vendor == "sqlite":
         queue_assignment, queue_condition = "", f"AND (%s = '' OR {o['queue']} = %s)"
+    # The one value bound here is the lease deadline of a claim, the finish time of a success.
+    if succeeded:
+        state = (
+            f"{o['status']} = {_literal(Status.SUCCEEDED)}, {o['finished_at']} = %s, "
+            f"{o['lease_deadline']} = NULL, {o['error']} = '', {o['traceback']} = ''"
+        )
+        queue_assignment += f", {o['result']} = %s"
+    else:
+        state = f"{o['status']} = {running}, {o['finished_at']} = NULL, {o['lease_deadline']} = %s"
     assignments = f"""
-        {o["fence_token"]} = {token_sql}, {o["retries"]} = %s, {o["status"]} = {running},
+        {o["fence_token"]} = {token_sql}, {o["retries"]} = %s,
         {o["attempts"]} = {o["attempts"]} + 1, {o["deliveries"]} = {o["deliveries"]} + 1,
         {o["worker"]} = %s, {o["task_id"]} = %s, {o["message_id"]} = %s,
         {o["first_started_at"]} = COALESCE({o["first_started_at"]}, %s), {o["last_started_at"]} = %s,
-        {o["finished_at"]} = NULL, {o["lease_deadline"]} = %s, {o["updated_at"]} = %s,
+        {state}, {o["updated_at"]} = %s,
         {o["args"]} = CASE WHEN {unrecorded} THEN %s ELSE {o["args"]} END,
         {o["kwargs"]} = CASE WHEN {unrecorded} THEN %s ELSE {o["kwargs"]} END
         {queue_assignment}
@@ -255,13 +270,29 @@ def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
         AND NOT ({o["task_id"]} = %s AND {o["status"]} IN ({queued}, {running}) AND {o["retries"]} > %s)
         {queue_condition}
     """
+    return assignments, conditions
+
+
+def _log_insert(vendor: str, fenced: bool, verdict: str) -> tuple[str, str]:
+    """The log row's columns and ``VALUES`` list: the outcome and token first, then :data:`_LOG_COLUMNS`.
+
+    The token source, the verdict and the (empty) detail are written into
+    the SQL; an executed delivery's row also gets its finish time, last.
+    """
+    _, d = _NAMES[vendor]
+    names = [*_LOG_COLUMNS, "finished_at"] if verdict == Verdict.EXECUTED else list(_LOG_COLUMNS)
+    columns = ", ".join(d[name] for name in names)
+    constants = [_literal(_SOURCES[fenced]), _literal(verdict), "''"]
+    return columns, ", ".join([*constants, *["%s"] * (len(names) - 5)])
+
+
+@functools.cache
+def _claim_sql(vendor: str, fenced: bool, own_transaction: bool) -> ClaimSQL:
+    o, d = _NAMES[vendor]
+    assignments, conditions = _claim_fragments(vendor, fenced)
     returning = f"{o['id']}, {o['attempts']}, {o['fence_token']}"
-    log_columns = ", ".join(d[name] for name in _LOG_COLUMNS)
-    token_source = _SOURCES[fenced]
-    # outcome and fence_token come from the claim; token_source, verdict and detail are constants.
-    log_values = ", ".join(
-        [_literal(token_source), _literal(Verdict.STARTED), "''", *["%s"] * (len(_LOG_COLUMNS) - 5)]
-    )
+    # outcome and fence_token come from the claim.
+    log_columns, log_values = _log_insert(vendor, fenced, Verdict.STARTED)
     if vendor == "sqlite":
         return ClaimSQL(
             update=f"UPDATE {o['table']} SET {assignments} WHERE {conditions} RETURNING {returning}",
@@ -294,27 +325,118 @@ def claim_sql(connection, fenced: bool, own_transaction: bool) -> ClaimSQL:
     return _claim_sql(connection.vendor, fenced, own_transaction)
 
 
+def _claim_conditions(connection, key: str, delivery: DeliveryInfo) -> list:
+    """The values of :func:`_claim_fragments`' condition."""
+    token = [delivery.token] if delivery.fenced else []
+    conditions = [key, *token, delivery.task_id[:255], delivery.retries]
+    if connection.vendor == "sqlite":  # The queue is a condition there, an assignment elsewhere.
+        queue = delivery.queue[:255]
+        conditions += [queue, queue]
+    return conditions
+
+
+def _claim_values(
+    connection,
+    key: str,
+    delivery: DeliveryInfo,
+    args: list,
+    kwargs: dict,
+    started: str,
+    at_lease: str | None,
+    updated: str | None = None,
+) -> tuple[list, list, list]:
+    """The values of :func:`_claim_fragments`' assignments and condition, and of the log row's columns.
+
+    ``started``, ``at_lease`` and ``updated`` are adapted datetimes: the claim's
+    time, the value bound at the lease deadline's place (:func:`_claim_fragments`)
+    and the row's update time (default: the claim's).
+    """
+    ops = connection.ops
+    task_id, queue = delivery.task_id[:255], delivery.queue[:255]
+    worker, message_id = delivery.worker[:255], delivery.message_id[:255]
+    token = [delivery.token] if delivery.fenced else []
+    given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
+    given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
+    assignments = [
+        *token, delivery.retries, worker, task_id, message_id,
+        started, started, at_lease, updated or started, given_args, given_kwargs,
+    ]  # fmt: skip
+    if connection.vendor != "sqlite":
+        assignments += [queue, queue]
+    log = [delivery.delivery_count, delivery.retries, worker, task_id, message_id, queue, started]
+    return assignments, _claim_conditions(connection, key, delivery), log
+
+
 def claim_params(
     connection, key: str, delivery: DeliveryInfo, args: list, kwargs: dict, now: datetime, deadline: datetime
 ) -> tuple[list, list]:
     """The values of the claim's update (assignments, then conditions) and of its log row."""
     ops = connection.ops
-    task_id, queue = delivery.task_id[:255], delivery.queue[:255]
-    worker, message_id = delivery.worker[:255], delivery.message_id[:255]
-    token = [delivery.token] if delivery.fenced else []
-    stamp = ops.adapt_datetimefield_value(now)
     deadline = ops.adapt_datetimefield_value(deadline)
-    given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
-    given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
-    assignments = [
-        *token, delivery.retries, worker, task_id, message_id,
-        stamp, stamp, deadline, stamp, given_args, given_kwargs,
-    ]  # fmt: skip
-    conditions = [key, *token, task_id, delivery.retries]
-    log = [delivery.delivery_count, delivery.retries, worker, task_id, message_id, queue, stamp, deadline]
-    if connection.vendor == "sqlite":  # The queue is a condition there, an assignment elsewhere (_claim_sql).
-        return [*assignments, *conditions, queue, queue], log
-    return [*assignments, queue, queue, *conditions], log
+    assignments, conditions, log = _claim_values(
+        connection, key, delivery, args, kwargs, ops.adapt_datetimefield_value(now), deadline
+    )
+    return [*assignments, *conditions], [*log, deadline]
+
+
+@dataclass(frozen=True)
+class HeldSQL:
+    """The statements of :mod:`queueapp.single_writer` (SQLite): check, then claim and succeed at once."""
+
+    check: str
+    succeed: str
+    log_insert: str
+
+
+@functools.cache
+def _held_sql(vendor: str, fenced: bool) -> HeldSQL:
+    o, d = _NAMES[vendor]
+    _, conditions = _claim_fragments(vendor, fenced)
+    assignments, _ = _claim_fragments(vendor, fenced, succeeded=True)
+    log_columns, log_values = _log_insert(vendor, fenced, Verdict.EXECUTED)
+    return HeldSQL(
+        check=f"SELECT {o['id']}, {o['attempts']}, {o['fence_token']} FROM {o['table']} WHERE {conditions}",
+        succeed=f"UPDATE {o['table']} SET {assignments} WHERE {o['id']} = %s AND {conditions}",
+        log_insert=f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})",
+    )
+
+
+def held_sql(connection, fenced: bool) -> HeldSQL:
+    """The statements of :mod:`queueapp.single_writer` on ``connection``'s database (SQLite)."""
+    names(connection)
+    return _held_sql(connection.vendor, fenced)
+
+
+def check_params(connection, key: str, delivery: DeliveryInfo) -> list:
+    """The values of :attr:`HeldSQL.check`: the claim's condition (nothing else is bound)."""
+    return _claim_conditions(connection, key, delivery)
+
+
+def held_params(
+    connection,
+    key: str,
+    delivery: DeliveryInfo,
+    args: list,
+    kwargs: dict,
+    *,
+    outcome_id: int,
+    token: int,
+    started: datetime,
+    finished: datetime,
+    stored,
+) -> tuple[list, list]:
+    """The values of :attr:`HeldSQL.succeed` and of :attr:`HeldSQL.log_insert`.
+
+    The log row of a delivery that committed before anyone could see it
+    claimed has no lease deadline: it never waited on one.
+    """
+    ops = connection.ops
+    started, finished = ops.adapt_datetimefield_value(started), ops.adapt_datetimefield_value(finished)
+    result = None if stored is None else ops.adapt_json_value(stored, DjangoJSONEncoder)
+    assignments, conditions, log = _claim_values(
+        connection, key, delivery, args, kwargs, started, finished, updated=finished
+    )
+    return [*assignments, result, outcome_id, *conditions], [outcome_id, token, *log, None, finished]
 
 
 @functools.cache

@@ -32,6 +32,35 @@ def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 
 
+def body_running(key: str) -> bool:
+    """Whether a worker is running the body of ``key``, as another connection can tell.
+
+    On PostgreSQL (and SQLite's two-transaction path) the outcome row is
+    *running*. On SQLite a held delivery (:mod:`queueapp.single_writer`) shows
+    nothing until it commits; its body holds the database's write lock, which
+    another connection then cannot take.
+    """
+    import sqlite3
+
+    from django.db import connection
+
+    from queueapp.models import TaskOutcome
+
+    if TaskOutcome.objects.filter(idempotency_key=key, status=TaskOutcome.Status.RUNNING).exists():
+        return True
+    if connection.vendor != "sqlite":
+        return False
+    other = sqlite3.connect(connection.settings_dict["NAME"], timeout=0, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        other.close()
+
+
 def runs(record: redis.Redis) -> list[dict]:
     """The task runs ``tests.broker_ext.worker_app.record_run`` recorded, in order."""
     return [json.loads(item) for item in record.lrange("runs", 0, -1)]

@@ -83,7 +83,9 @@ def record_queries(
 
 
 def measure_database(run: BenchRun, engine: str, database_url: str) -> None:
-    messages = run.sizes.scaled(0.25)
+    # Half of --messages: a drain's 10-90% window then lasts about a second at these rates,
+    # long enough that a turn's ratio is not one scheduler hiccup.
+    messages = run.sizes.scaled(0.5)
     figures = figures_for(run, engine)
     succeeded = lambda: succeeded_outcomes(database_url)  # noqa: E731
 
