@@ -92,8 +92,9 @@ def run(
     :data:`NOT_HELD` if the common claim does not match (the body has not run:
     the caller takes the two-transaction path). ``running(held)`` is entered
     around the body (the caller's :class:`~queueapp.delivery.ExactlyOnceContext`).
-    A body that raises is rolled back and re-raised as :class:`BodyFailed`;
-    a database error before the body goes up as itself.
+    A body (or its success statement) that raises is rolled back and
+    re-raised as :class:`BodyFailed`; a database error before the body, or
+    at the commit, goes up as itself.
     """
     db = conf.get("DATABASE")
     connection = connections[db]
@@ -107,25 +108,30 @@ def run(
         outcome_id, attempts, stored_token = row
         token = delivery.token if delivery.fenced else stored_token + 1
         held = HeldClaim(key, outcome_id, token, statements.source(delivery), attempts + 1)
-        with _failures_of(held), running(held):
-            result = body()
-        stored = ledger.jsonable(result)
-        succeed, log = statements.held_params(
-            connection,
-            key,
-            delivery,
-            args,
-            kwargs,
-            outcome_id=outcome_id,
-            token=token,
-            started=started,
-            finished=timezone.now(),
-            stored=stored,
-        )
-        cursor.execute(sql.succeed, succeed)
-        if cursor.rowcount != 1:  # Only a body that changed its own outcome row gets here.
+        # What fails from here to the log row is the delivery's failure, as in the two-transaction
+        # path (a body that asked for a rollback, a statement interrupted): rolled back, recorded after.
+        with _failures_of(held):
+            with running(held):
+                result = body()
+            stored = ledger.jsonable(result)
+            succeed, log = statements.held_params(
+                connection,
+                key,
+                delivery,
+                args,
+                kwargs,
+                outcome_id=outcome_id,
+                token=token,
+                started=started,
+                finished=timezone.now(),
+                stored=stored,
+            )
+            cursor.execute(sql.succeed, succeed)
+            matched = cursor.rowcount == 1
+            if matched:
+                cursor.execute(sql.log_insert, log)
+        if not matched:  # Only a body that changed its own outcome row gets here: give it back.
             raise RuntimeError(f"the outcome row of {key} changed under the write lock; nothing committed")
-        cursor.execute(sql.log_insert, log)
         if cache_success:
             transaction.on_commit(lambda: cache.remember(key, stored), using=db)
     return result
@@ -133,7 +139,7 @@ def run(
 
 @contextlib.contextmanager
 def _failures_of(held: HeldClaim) -> Iterator[None]:
-    """Turn what the body raises into :class:`BodyFailed`, which rolls the transaction back."""
+    """Turn what the body or its success raises into :class:`BodyFailed`, which rolls the transaction back."""
     try:
         yield
     except Exception as exc:

@@ -13,6 +13,7 @@ import threading
 import pytest
 from celery.exceptions import Retry
 from django.db import connection, transaction
+from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
 from broker_ext.records import Delivery
@@ -147,6 +148,21 @@ def test_a_retry_from_a_held_body_leaves_the_key_queued_for_the_next_attempt(eff
     assert execute(TASK, "k", lambda: demo_tasks.record_effect("second") or "ok", (), {}, fenced(101)) == "ok"
     assert [row[0] for row in effects()] == ["second"]
     assert TaskOutcome.objects.get(idempotency_key="k").attempts == 2
+
+
+def test_a_body_that_asks_for_a_rollback_fails_its_key_as_the_two_transaction_path_does(effects):
+    queued()
+
+    def body() -> None:
+        demo_tasks.record_effect("unwanted")
+        transaction.set_rollback(True)
+
+    with pytest.raises(TransactionManagementError):
+        execute(TASK, "k", body, (), {}, fenced(100))
+    assert effects() == []
+    outcome = TaskOutcome.objects.get(idempotency_key="k")
+    assert (outcome.status, outcome.attempts) == ("failed", 1)
+    assert log() == [(Verdict.FAILED, 100, TaskDelivery.TokenSource.BROKER)]
 
 
 def test_a_key_that_succeeded_is_suppressed_without_running_the_body(effects):
