@@ -332,7 +332,7 @@ def _run_claim_postgresql(db: str, connection, fenced: bool, update: list, log: 
 def _run_claim_sqlite(db: str, connection, fenced: bool, update: list, log: list) -> tuple | None:
     """The claim, then its log row, in one ``IMMEDIATE`` transaction written to the WAL without an fsync."""
     sql = statements.claim_sql(connection, fenced, own_transaction=True)
-    with without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
+    with without_own_sync(db), transaction.atomic(using=db), statements.cursor(connection) as cursor:
         cursor.execute(sql.update, update)
         row = cursor.fetchone()
         if row is None:

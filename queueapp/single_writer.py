@@ -100,7 +100,7 @@ def run(
     connection = connections[db]
     sql = statements.held_sql(connection, delivery.fenced)
     started = timezone.now()
-    with transaction.atomic(using=db), connection.cursor() as cursor:
+    with transaction.atomic(using=db), statements.cursor(connection) as cursor:
         cursor.execute(sql.check, statements.check_params(connection, key, delivery))
         row = cursor.fetchone()
         if row is None:
