@@ -13,6 +13,8 @@
 ``queueapp.W005``         ``QUEUEAPP`` has keys this version does not know (typos)
 ``queueapp.W006``         ``worker_consumer`` is Celery's own with ``fenced://``: an undecodable
                           message is acked away, a reconnect reruns running tasks
+``queueapp.W007``         the records' database is SQLite without ``transaction_mode``
+                          ``IMMEDIATE``: workers fail with "database is locked"
 ========================  =====================================================================
 
 The Redis checks connect with a short timeout (:data:`TIMEOUT`) and no
@@ -27,6 +29,7 @@ from urllib.parse import urlsplit
 
 import redis
 from celery import current_app
+from django.conf import settings
 from django.core import checks
 from kombu.utils.imports import symbol_by_name
 from redis.backoff import NoBackoff
@@ -274,7 +277,34 @@ def check_settings(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     ]
 
 
+def check_database(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """SQLite must take its write lock when a transaction begins, not at its first write.
+
+    With ``DEFERRED`` transactions (SQLite's default) a body that reads, then
+    writes, fails at once with "database is locked" when another worker wrote
+    in between (the busy timeout does not cover that case), and a delivery
+    cannot run its claim, body and success in one transaction
+    (:mod:`queueapp.single_writer`). Read from the settings: no connection.
+    """
+    alias = conf.get("DATABASE")
+    database = settings.DATABASES.get(alias) or {}
+    if not str(database.get("ENGINE", "")).endswith("sqlite3"):
+        return []
+    mode = str((database.get("OPTIONS") or {}).get("transaction_mode") or "DEFERRED").upper()
+    if mode in ("IMMEDIATE", "EXCLUSIVE"):
+        return []
+    return [
+        checks.Warning(
+            f"The exactly-once records' database {alias!r} is SQLite with {mode} transactions: "
+            "concurrent workers fail with 'database is locked'.",
+            hint=f'Set DATABASES["{alias}"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE" '
+            '(with "timeout": 30 and "init_command": "PRAGMA journal_mode=WAL;"), or use PostgreSQL.',
+            id="queueapp.W007",
+        )
+    ]
+
+
 def register() -> None:
     """Register every check (called from :meth:`queueapp.apps.QueueappConfig.ready`)."""
-    for check in (check_broker, check_serializers, check_acknowledgement, check_settings):
+    for check in (check_broker, check_serializers, check_acknowledgement, check_settings, check_database):
         checks.register(check, TAG)

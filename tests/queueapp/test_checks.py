@@ -184,6 +184,17 @@ def test_unknown_queueapp_settings_are_a_warning(settings):
     assert message.id == "queueapp.W005" and "STUCK_AFTR" in message.msg
 
 
+def test_sqlite_records_without_immediate_transactions_are_a_warning(settings, monkeypatch):
+    settings.QUEUEAPP = {"DATABASE": "records"}
+    monkeypatch.setitem(settings.DATABASES, "records", {"ENGINE": "django.db.backends.sqlite3", "NAME": "x"})
+    (message,) = checks.check_database()
+    assert message.id == "queueapp.W007" and "DEFERRED" in message.msg
+    settings.DATABASES["records"]["OPTIONS"] = {"transaction_mode": "immediate"}
+    assert checks.check_database() == []
+    monkeypatch.setitem(settings.DATABASES, "records", {"ENGINE": "django.db.backends.postgresql"})
+    assert checks.check_database() == []
+
+
 def test_manage_py_check_runs_them(celery_conf, servers, redis_server):
     celery_conf.broker_url = fenced(redis_server)
     err = io.StringIO()
