@@ -121,8 +121,10 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
     if cached is not None:
         _audit_cached_duplicate(task, key, delivery)
         return cached.result
-    if single_writer.applies(conf.get("DATABASE")):
-        try:
+    failure = None
+    try:
+        result = single_writer.NOT_HELD
+        if single_writer.applies(conf.get("DATABASE"), delivery):
             result = single_writer.run(
                 key,
                 delivery,
@@ -132,12 +134,14 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
                 cache_success=not uncached,
                 running=lambda held: _running(held, delivery),
             )
-        except BodyFailed as failed:
-            return _held_failed(task, failed, delivery, args, kwargs)
-        except DatabaseError as exc:
-            return _database_unavailable(task, key, delivery, exc)
-        if result is not single_writer.NOT_HELD:
-            return result
+    except BodyFailed as failed:
+        failure = failed
+    except DatabaseError as exc:
+        return _database_unavailable(task, key, delivery, exc)
+    if failure is not None:  # Out of the except clause: the body's error goes on as itself, unchained.
+        return _held_failed(task, failure, delivery, args, kwargs)
+    if result is not single_writer.NOT_HELD:
+        return result
     try:
         decision = ledger.claim(
             key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)

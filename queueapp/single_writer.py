@@ -50,7 +50,8 @@ from django.utils import timezone
 
 from queueapp import cache, conf, ledger, statements
 from queueapp.delivery import DeliveryInfo
-from queueapp.errors import BodyFailed
+from queueapp.errors import BodyFailed, DeliveryRefused
+from queueapp.models import TaskDelivery
 
 #: Returned by :func:`run` when the delivery must take the two-transaction path (the body has not run).
 NOT_HELD = object()
@@ -67,8 +68,16 @@ class HeldClaim:
     attempt: int
 
 
-def applies(db: str) -> bool:
-    """Whether a delivery on ``db`` can run under the write lock: SQLite, locking at ``BEGIN``, on its own."""
+def applies(db: str, delivery: DeliveryInfo) -> bool:
+    """Whether ``delivery`` can run under the write lock: fenced, on SQLite locking at ``BEGIN``, on its own.
+
+    Only a fenced delivery: its token is the broker's, and a delivery after it
+    that a crash made necessary has a higher one. The database's counter
+    (stored token plus one) must be saved before the body shows it, or the
+    next delivery after a crash would be handed the same token again.
+    """
+    if not delivery.fenced:
+        return False
     connection = connections[db]
     if connection.vendor != "sqlite":
         return False
@@ -105,9 +114,10 @@ def run(
         row = cursor.fetchone()
         if row is None:
             return NOT_HELD
-        outcome_id, attempts, stored_token = row
-        token = delivery.token if delivery.fenced else stored_token + 1
-        held = HeldClaim(key, outcome_id, token, statements.source(delivery), attempts + 1)
+        outcome_id, attempts = row
+        # Arguments JSON cannot hold fail here, before the body runs, as the claim would.
+        given = statements.adapt_arguments(connection, args, kwargs)
+        held = HeldClaim(key, outcome_id, delivery.token, statements.source(delivery), attempts + 1)
         # What fails from here to the log row is the delivery's failure, as in the two-transaction
         # path (a body that asked for a rollback, a statement interrupted): rolled back, recorded after.
         with _failures_of(held):
@@ -118,20 +128,20 @@ def run(
                 connection,
                 key,
                 delivery,
-                args,
-                kwargs,
+                given,
                 outcome_id=outcome_id,
-                token=token,
+                token=delivery.token,
                 started=started,
                 finished=timezone.now(),
                 stored=stored,
             )
             cursor.execute(sql.succeed, succeed)
-            matched = cursor.rowcount == 1
-            if matched:
-                cursor.execute(sql.log_insert, log)
-        if not matched:  # Only a body that changed its own outcome row gets here: give it back.
-            raise RuntimeError(f"the outcome row of {key} changed under the write lock; nothing committed")
+            if cursor.rowcount != 1:  # Only a body that changed its own outcome row gets here.
+                raise DeliveryRefused(
+                    TaskDelivery.Verdict.REFUSED_STALE,
+                    "the body changed its own outcome row; nothing committed",
+                )
+            cursor.execute(sql.log_insert, log)
         if cache_success:
             transaction.on_commit(lambda: cache.remember(key, stored), using=db)
     return result

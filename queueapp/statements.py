@@ -141,6 +141,12 @@ class _QmarkCursor:
     def execute(self, sql: str, params=None):
         return self._cursor.execute(_qmark(sql), () if params is None else params)
 
+    def executemany(self, sql: str, param_list):
+        return self._cursor.executemany(_qmark(sql), param_list)
+
+    def __iter__(self):
+        return iter(self._cursor)
+
     def __getattr__(self, name: str):
         return getattr(self._cursor, name)
 
@@ -373,28 +379,32 @@ def _claim_conditions(connection, key: str, delivery: DeliveryInfo) -> list:
     return conditions
 
 
+def adapt_arguments(connection, args: list, kwargs: dict) -> tuple:
+    """The delivery's arguments as the claim binds them (JSON); ``TypeError`` for what JSON cannot hold."""
+    adapt = connection.ops.adapt_json_value
+    return adapt(list(args), DjangoJSONEncoder), adapt(dict(kwargs), DjangoJSONEncoder)
+
+
 def _claim_values(
     connection,
     key: str,
     delivery: DeliveryInfo,
-    args: list,
-    kwargs: dict,
+    given: tuple,
     started: str,
     at_lease: str | None,
     updated: str | None = None,
 ) -> tuple[list, list, list]:
     """The values of :func:`_claim_fragments`' assignments and condition, and of the log row's columns.
 
-    ``started``, ``at_lease`` and ``updated`` are adapted datetimes: the claim's
-    time, the value bound at the lease deadline's place (:func:`_claim_fragments`)
-    and the row's update time (default: the claim's).
+    ``given`` is :func:`adapt_arguments`' pair. ``started``, ``at_lease`` and
+    ``updated`` are adapted datetimes: the claim's time, the value bound at the
+    lease deadline's place (:func:`_claim_fragments`) and the row's update time
+    (default: the claim's).
     """
-    ops = connection.ops
     task_id, queue = delivery.task_id[:255], delivery.queue[:255]
     worker, message_id = delivery.worker[:255], delivery.message_id[:255]
     token = [delivery.token] if delivery.fenced else []
-    given_args = ops.adapt_json_value(list(args), DjangoJSONEncoder)
-    given_kwargs = ops.adapt_json_value(dict(kwargs), DjangoJSONEncoder)
+    given_args, given_kwargs = given
     assignments = [
         *token, delivery.retries, worker, task_id, message_id,
         started, started, at_lease, updated or started, given_args, given_kwargs,
@@ -412,7 +422,12 @@ def claim_params(
     ops = connection.ops
     deadline = ops.adapt_datetimefield_value(deadline)
     assignments, conditions, log = _claim_values(
-        connection, key, delivery, args, kwargs, ops.adapt_datetimefield_value(now), deadline
+        connection,
+        key,
+        delivery,
+        adapt_arguments(connection, args, kwargs),
+        ops.adapt_datetimefield_value(now),
+        deadline,
     )
     return [*assignments, *conditions], [*log, deadline]
 
@@ -433,7 +448,7 @@ def _held_sql(vendor: str, fenced: bool) -> HeldSQL:
     assignments, _ = _claim_fragments(vendor, fenced, succeeded=True)
     log_columns, log_values = _log_insert(vendor, fenced, Verdict.EXECUTED)
     return HeldSQL(
-        check=f"SELECT {o['id']}, {o['attempts']}, {o['fence_token']} FROM {o['table']} WHERE {conditions}",
+        check=f"SELECT {o['id']}, {o['attempts']} FROM {o['table']} WHERE {conditions}",
         succeed=f"UPDATE {o['table']} SET {assignments} WHERE {o['id']} = %s AND {conditions}",
         log_insert=f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})",
     )
@@ -454,8 +469,7 @@ def held_params(
     connection,
     key: str,
     delivery: DeliveryInfo,
-    args: list,
-    kwargs: dict,
+    given: tuple,
     *,
     outcome_id: int,
     token: int,
@@ -463,7 +477,9 @@ def held_params(
     finished: datetime,
     stored,
 ) -> tuple[list, list]:
-    """The values of :attr:`HeldSQL.succeed` and of :attr:`HeldSQL.log_insert`.
+    """The values of :attr:`HeldSQL.succeed` and :attr:`HeldSQL.log_insert`.
+
+    ``given`` is :func:`adapt_arguments`' pair, made before the body ran.
 
     The log row of a delivery that committed before anyone could see it
     claimed has no lease deadline: it never waited on one.
@@ -472,7 +488,7 @@ def held_params(
     started, finished = ops.adapt_datetimefield_value(started), ops.adapt_datetimefield_value(finished)
     result = None if stored is None else ops.adapt_json_value(stored, DjangoJSONEncoder)
     assignments, conditions, log = _claim_values(
-        connection, key, delivery, args, kwargs, started, finished, updated=finished
+        connection, key, delivery, given, started, finished, finished
     )
     return [*assignments, result, outcome_id, *conditions], [outcome_id, token, *log, None, finished]
 

@@ -11,7 +11,7 @@ import sqlite3
 import threading
 
 import pytest
-from celery.exceptions import Retry
+from celery.exceptions import Reject, Retry
 from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
@@ -118,8 +118,9 @@ def test_a_body_that_raises_leaves_nothing_and_its_failure_is_recorded_on_a_late
         demo_tasks.record_effect("rolled back")
         raise ValueError("boom")
 
-    with pytest.raises(ValueError, match="boom"):
+    with pytest.raises(ValueError, match="boom") as raised:
         execute(TASK, "k", body, (), {}, fenced(100))
+    assert raised.value.__context__ is None  # Raised as itself, not inside the held path's wrapper.
     assert effects() == []
     outcome = TaskOutcome.objects.get(idempotency_key="k")
     assert (outcome.status, outcome.fence_token, outcome.attempts, outcome.error) == (
@@ -184,21 +185,53 @@ def test_a_token_at_or_below_the_stored_one_never_runs_held(effects):
     assert log() == [(Verdict.REFUSED_STALE, 100, TaskDelivery.TokenSource.BROKER)]
 
 
-def test_without_a_broker_token_the_database_counter_is_the_token(effects):
+def test_without_a_broker_token_the_delivery_takes_the_two_transaction_path(effects):
+    """The database's counter must be saved before the body shows it: a crash would hand it out again."""
     queued(fence_token=7)
     delivery = DeliveryInfo(task_id="t1", task_name=TASK.name, queue="celery", message_id="t1.0")
+    assert not single_writer.applies("default", delivery)
     execute(TASK, "k", lambda: demo_tasks.record_effect("counted"), (), {}, delivery)
     assert TaskOutcome.objects.get(idempotency_key="k").fence_token == 8
     assert effects()[0][1] == 8
-    assert log() == [(Verdict.EXECUTED, 8, TaskDelivery.TokenSource.DATABASE)]
+    (row,) = TaskDelivery.objects.all()
+    assert (row.verdict, row.fence_token, row.token_source) == (
+        Verdict.EXECUTED,
+        8,
+        TaskDelivery.TokenSource.DATABASE,
+    )
+    assert row.lease_deadline is not None  # Written by the claim committed before the body.
+
+
+def test_arguments_json_cannot_hold_are_refused_before_the_body_runs(effects):
+    queued()
+    ran: list[int] = []
+    with pytest.raises(Reject):
+        execute(TASK, "k", lambda: ran.append(1), (b"not json",), {}, fenced(100))
+    assert ran == [] and effects() == []
+    assert TaskOutcome.objects.get(idempotency_key="k").status == "queued"
+
+
+def test_a_body_that_changes_its_own_outcome_row_commits_nothing_and_is_refused(effects):
+    queued()
+
+    def body() -> None:
+        demo_tasks.record_effect("refused")
+        TaskOutcome.objects.filter(idempotency_key="k").update(fence_token=300)
+
+    assert execute(TASK, "k", body, (), {}, fenced(100)) is None
+    assert effects() == []
+    outcome = TaskOutcome.objects.get(idempotency_key="k")
+    # As in the two-transaction path: claimed, refused at its success, nothing of the body kept.
+    assert (outcome.fence_token, outcome.stale_refusals) == (100, 1)
+    assert log() == [(Verdict.REFUSED_STALE, 100, TaskDelivery.TokenSource.BROKER)]
 
 
 def test_a_caller_s_transaction_or_deferred_transactions_take_the_two_transaction_path(effects, monkeypatch):
-    assert single_writer.applies("default")
+    assert single_writer.applies("default", fenced(100))
     with transaction.atomic():
-        assert not single_writer.applies("default")
+        assert not single_writer.applies("default", fenced(100))
     monkeypatch.setitem(connection.settings_dict["OPTIONS"], "transaction_mode", "DEFERRED")
-    assert not single_writer.applies("default")
+    assert not single_writer.applies("default", fenced(100))
     queued()
     execute(TASK, "k", lambda: demo_tasks.record_effect("two transactions"), (), {}, fenced(100))
     (row,) = TaskDelivery.objects.all()
