@@ -1,7 +1,8 @@
 """queueapp's settings: one ``QUEUEAPP`` dict in Django settings, read lazily, with defaults.
 
 Every value is looked up when it is used, never at import time, so tests
-(``override_settings``) and late configuration see the current value.
+(``override_settings``) and late configuration see the current value (the
+dict is kept between lookups until ``setting_changed`` says it changed).
 
 ``QUEUEAPP = {...}`` keys and defaults:
 
@@ -104,6 +105,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 from queueapp.errors import ConfigurationError
 
@@ -141,18 +144,44 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: ``settings.QUEUEAPP`` as last read; ``None`` until read, and again whenever it changes.
+_configured: dict | None = None
+
+
+def _queueapp() -> dict:
+    """``settings.QUEUEAPP`` (``{}`` when unset), read once until the setting changes.
+
+    A hot path asks for several values per task; a project without
+    ``QUEUEAPP`` would otherwise pay Django's failed attribute lookup (an
+    exception raised and caught) for each. ``override_settings`` and
+    pytest-django's ``settings`` send ``setting_changed``, which forgets it,
+    as Django's own caches of settings do (a setting deleted at run time sends
+    nothing: set it to ``{}`` instead).
+    """
+    global _configured
+    configured = _configured
+    if configured is None:
+        configured = _configured = getattr(settings, "QUEUEAPP", None) or {}
+    return configured
+
+
+@receiver(setting_changed)
+def _forget(*, setting: str, **_: Any) -> None:
+    global _configured
+    if setting == "QUEUEAPP":
+        _configured = None
+
+
 def get(name: str) -> Any:
     """The current value of ``QUEUEAPP[name]``, or its default."""
     if name not in DEFAULTS:
         raise ConfigurationError(f"unknown queueapp setting {name!r}; known: {', '.join(DEFAULTS)}")
-    configured = getattr(settings, "QUEUEAPP", None) or {}
-    return configured.get(name, DEFAULTS[name])
+    return _queueapp().get(name, DEFAULTS[name])
 
 
 def unknown_keys() -> list[str]:
     """Keys of ``QUEUEAPP`` this version does not know (for a system check: likely typos)."""
-    configured = getattr(settings, "QUEUEAPP", None) or {}
-    return sorted(set(configured) - set(DEFAULTS))
+    return sorted(set(_queueapp()) - set(DEFAULTS))
 
 
 def lease_timeout(app=None) -> float:

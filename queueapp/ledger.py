@@ -94,6 +94,8 @@ def _db() -> str:
 
 def jsonable(value: Any) -> Any:
     """``value`` if it can be stored as JSON, else its ``repr`` (a result must not fail a commit)."""
+    if value is None or type(value) in (bool, int, str):  # What a task returns most, JSON as it is.
+        return value
     try:
         json.dumps(value, cls=DjangoJSONEncoder)
     except (TypeError, ValueError):

@@ -31,6 +31,16 @@ def test_settings_are_read_when_used_not_at_import():
         conf.get("NOPE")
 
 
+def test_a_changed_queueapp_setting_is_seen_at_the_next_lookup(settings):
+    """The dict is kept between lookups (a hot path asks several times per task) until it changes."""
+    settings.QUEUEAPP = {"DEFER_DELAY": 3}
+    assert conf.get("DEFER_DELAY") == 3
+    settings.QUEUEAPP = {"DEFER_DELAY": 4}
+    assert conf.get("DEFER_DELAY") == 4
+    settings.QUEUEAPP = {}
+    assert conf.get("DEFER_DELAY") == conf.DEFAULTS["DEFER_DELAY"]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_decorator_over_a_task_object_of_a_finalized_app(effects):
     from settings.celery import app
