@@ -107,7 +107,7 @@ def run(
     """
     db = conf.get("DATABASE")
     connection = connections[db]
-    sql = statements.held_sql(connection, delivery.fenced)
+    sql = statements.held_sql(connection)
     started = timezone.now()
     with transaction.atomic(using=db), statements.cursor(connection) as cursor:
         cursor.execute(sql.check, statements.check_params(connection, key, delivery))

@@ -442,11 +442,12 @@ class HeldSQL:
 
 
 @functools.cache
-def _held_sql(vendor: str, fenced: bool) -> HeldSQL:
+def _held_sql(vendor: str) -> HeldSQL:
     o, d = _NAMES[vendor]
-    _, conditions = _claim_fragments(vendor, fenced)
-    assignments, _ = _claim_fragments(vendor, fenced, succeeded=True)
-    log_columns, log_values = _log_insert(vendor, fenced, Verdict.EXECUTED)
+    # Only fenced deliveries are held (:func:`queueapp.single_writer.applies`).
+    _, conditions = _claim_fragments(vendor, fenced=True)
+    assignments, _ = _claim_fragments(vendor, fenced=True, succeeded=True)
+    log_columns, log_values = _log_insert(vendor, True, Verdict.EXECUTED)
     return HeldSQL(
         check=f"SELECT {o['id']}, {o['attempts']} FROM {o['table']} WHERE {conditions}",
         succeed=f"UPDATE {o['table']} SET {assignments} WHERE {o['id']} = %s AND {conditions}",
@@ -454,10 +455,10 @@ def _held_sql(vendor: str, fenced: bool) -> HeldSQL:
     )
 
 
-def held_sql(connection, fenced: bool) -> HeldSQL:
+def held_sql(connection) -> HeldSQL:
     """The statements of :mod:`queueapp.single_writer` on ``connection``'s database (SQLite)."""
     names(connection)
-    return _held_sql(connection.vendor, fenced)
+    return _held_sql(connection.vendor)
 
 
 def check_params(connection, key: str, delivery: DeliveryInfo) -> list:
