@@ -253,29 +253,47 @@ class LoadMeter:
         return RedisLoad(calls, usec, seconds, cpu_seconds=cpu, own_cpu_seconds=own_cpu)
 
 
-def remaining(client: redis.Redis, system: str, queue: str) -> int:
-    """Messages of ``queue`` not yet acked: what Redis still holds, whoever holds it."""
+@dataclass(frozen=True)
+class Backlog:
+    """One poll of a queue: ``untaken`` messages no consumer has fetched yet, of ``remaining`` not acked."""
+
+    untaken: int
+    remaining: int
+
+
+def poll_backlog(client: redis.Redis, system: str, queue: str) -> Backlog:
+    """What Redis holds of ``queue``, in one round trip: waiting to be fetched, and all not yet acked."""
     pipe = client.pipeline(transaction=False)
     if system == STOCK:
         for step in PRIORITY_STEPS:
             pipe.llen(f"{queue}{STOCK_PRIORITY_SEPARATOR}{step}" if step else queue)
         pipe.hlen("unacked")
-    elif system == FENCED:
+        *lists, unacked = pipe.execute()
+        return Backlog(sum(lists), sum(lists) + unacked)
+    if system == FENCED:
         keys = QueueKeys(queue)
         for key in (keys.ready, keys.leases, keys.delayed):
             pipe.zcard(key)
-    else:
-        pipe.hlen(f"dramatiq:{queue}.msgs")
-    return sum(pipe.execute())
+        ready, leased, delayed = pipe.execute()
+        return Backlog(ready, ready + leased + delayed)
+    pipe.llen(f"dramatiq:{queue}")
+    pipe.hlen(f"dramatiq:{queue}.msgs")
+    untaken, stored = pipe.execute()
+    return Backlog(untaken, stored)
+
+
+def remaining(client: redis.Redis, system: str, queue: str) -> int:
+    """Messages of ``queue`` not yet acked: what Redis still holds, whoever holds it."""
+    return poll_backlog(client, system, queue).remaining
 
 
 def remaining_commands(system: str) -> dict[str, int]:
-    """The commands one :func:`remaining` call sends, so that a :class:`LoadMeter` can discount them."""
+    """The commands one :func:`poll_backlog` call sends, so that a :class:`LoadMeter` can discount them."""
     if system == STOCK:
         return {"llen": len(PRIORITY_STEPS), "hlen": 1}
     if system == FENCED:
         return {"zcard": 3}
-    return {"hlen": 1}
+    return {"llen": 1, "hlen": 1}
 
 
 @dataclass(frozen=True)
@@ -311,7 +329,7 @@ def measure_harness_cpu(
     for system in systems:
         began, cpu_before = time.perf_counter(), redis_cpu(client)
         for _ in range(polls):
-            remaining(client, system, "bench.calibration")
+            poll_backlog(client, system, "bench.calibration")
             time.sleep(POLL_INTERVAL)
         cpu, span = redis_cpu(client) - cpu_before, time.perf_counter() - began
         per_poll[system] = max(cpu - idle_per_s * span, 0.0) / polls
@@ -351,28 +369,41 @@ def watch_drain(
 ) -> Drain:
     """Poll the backlog of ``queue`` until it is empty; raise if it stalls past ``timeout``.
 
-    With ``harness``, the Redis CPU of the polls and of the idle server is
-    taken off the drain's (without it, nothing is and the CPU figure is high).
+    The Redis load is metered from the last poll that found every message
+    still unfetched: a worker's start-up (connections, script loads, queue
+    declarations) is not the messages' doing, and the hundreds of polls it
+    would add to the span, each taken off at its calibrated cost, would bury
+    a short drain's CPU in their error. (A fetch in the instant between that
+    poll and the meter's snapshot falls outside the span: one batch's fetch at
+    the most.) With ``harness``, the Redis CPU of the polls and of the idle
+    server is taken off the drain's (without it, nothing is and the CPU
+    figure is high).
     """
     meter = LoadMeter(client, harness.idle_per_s if harness else 0.0).start()
+    metered_polls = 0
     deadline = time.monotonic() + timeout
     untouched = time.perf_counter()
     samples: list[tuple[float, int]] = []
     while True:
-        left = remaining(client, system, queue)
+        backlog = poll_backlog(client, system, queue)
         now = time.perf_counter()
-        samples.append((now, left))
-        if left >= messages:
+        samples.append((now, backlog.remaining))
+        metered_polls += 1
+        if backlog.untaken >= messages:
+            meter.start()
+            metered_polls = 0
+        if backlog.remaining >= messages:
             untouched = now
-        if left == 0:
+        if backlog.remaining == 0:
             break
         if time.monotonic() > deadline or not alive():
+            left = backlog.remaining
             raise TimeoutError(f"{system} drain of {queue!r} stalled with {left} of {messages} left")
         time.sleep(interval)
     for command, calls in remaining_commands(system).items():
-        meter.count_own(command, calls * len(samples))
+        meter.count_own(command, calls * metered_polls)
     if harness:
-        meter.count_own_cpu(harness.per_poll.get(system, 0.0) * len(samples))
+        meter.count_own_cpu(harness.per_poll.get(system, 0.0) * metered_polls)
     load = meter.stop()
     total = max(now - untouched, interval)
     load.seconds = total  # Ops/s over the drain itself, not the start-up.
