@@ -9,11 +9,22 @@ shared machine (CPU time on a loaded 2-core VM jitters by tens of µs).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
+from kombu.transport.redis import PRIORITY_STEPS
 
-from lab.bench.core import FENCED, POLL_INTERVAL, STOCK, LoadMeter, measure_harness_cpu, redis_cpu, remaining
+from lab.bench.core import (
+    FENCED,
+    POLL_INTERVAL,
+    STOCK,
+    LoadMeter,
+    measure_harness_cpu,
+    redis_cpu,
+    remaining,
+    watch_drain,
+)
 
 COMMANDS = 5_000
 
@@ -68,3 +79,31 @@ def test_the_harness_s_polls_are_measured_and_subtracted(redis_server, redis_cli
     assert load.cpu_seconds >= polled
     # Without the subtraction the span would charge the polls; with it, most of that is gone.
     assert abs(load.net_cpu_seconds) < 0.5 * load.cpu_seconds
+
+
+def test_a_drain_is_metered_from_the_last_poll_that_found_every_message_unfetched(redis_client):
+    """What a consumer sends before it takes the first message (its start-up) is not the drain's."""
+    queue, messages = "bench.metered", 50
+    redis_client.rpush(queue, *range(messages))  # The stock layout: the list of priority step 0.
+
+    def polled_lists() -> int:
+        return redis_client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0)
+
+    def consumer() -> None:
+        redis_client.set("bench.start-up", 1)  # A worker's start-up: before any message is taken.
+        polls_seen = polled_lists()
+        deadline = time.monotonic() + 10
+        # Wait until the harness has polled again (every list) since, then take every message.
+        while polled_lists() < polls_seen + len(PRIORITY_STEPS):
+            assert time.monotonic() < deadline, "the harness stopped polling"
+            time.sleep(POLL_INTERVAL / 2)
+        for _ in range(messages):
+            redis_client.lpop(queue)
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    drain = watch_drain(redis_client, STOCK, queue, messages, timeout=15)
+    thread.join(10)
+
+    assert drain.load.calls["lpop"] == messages
+    assert "set" not in drain.load.calls  # Before the last poll that saw every message still there.
