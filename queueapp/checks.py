@@ -15,6 +15,9 @@
                           message is acked away, a reconnect reruns running tasks
 ``queueapp.W007``         the records' database is SQLite without ``transaction_mode``
                           ``IMMEDIATE``: workers fail with "database is locked"
+``queueapp.W008``         the records' or the admin's database is PostgreSQL without
+                          ``connect_timeout``: a host that stops answering holds every new
+                          connection (a worker's claim, an admin page) for minutes
 ========================  =====================================================================
 
 The Redis checks connect with a short timeout (:data:`TIMEOUT`) and no
@@ -23,6 +26,7 @@ retries, so a Redis that is down costs about a second, not a hang.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -304,7 +308,55 @@ def check_database(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     ]
 
 
+def check_connect_timeout(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """A PostgreSQL connection must give up on a database host that does not answer.
+
+    Without ``connect_timeout`` (or ``PGCONNECT_TIMEOUT``) libpq waits as long
+    as the operating system retries TCP, minutes: a database host that stops
+    answering then holds every worker at its next claim and every admin page.
+    With a bound, a worker gives the delivery back to the broker (counted,
+    with back-off) and a page fails in seconds. The records' database and
+    ``default`` (the admin's users and sessions) are looked at; read from the
+    settings: no connection.
+    """
+    if _positive(os.environ.get("PGCONNECT_TIMEOUT")):
+        return []
+    messages = []
+    for alias in dict.fromkeys((conf.get("DATABASE"), "default")):
+        database = settings.DATABASES.get(alias) or {}
+        if "postgresql" not in str(database.get("ENGINE", "")):
+            continue
+        if _positive((database.get("OPTIONS") or {}).get("connect_timeout")):
+            continue
+        messages.append(
+            checks.Warning(
+                f"The database {alias!r} is PostgreSQL without connect_timeout: a database host "
+                "that stops answering holds every new connection (a worker's claim, an admin page) "
+                "for as long as TCP retries, minutes.",
+                hint=f'Set DATABASES["{alias}"]["OPTIONS"]["connect_timeout"] = 5 (seconds), '
+                "or add ?connect_timeout=5 to its URL.",
+                id="queueapp.W008",
+            )
+        )
+    return messages
+
+
+def _positive(value) -> bool:
+    """Whether a libpq timeout bounds the wait (unset, ``0`` and nonsense wait forever)."""
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 def register() -> None:
     """Register every check (called from :meth:`queueapp.apps.QueueappConfig.ready`)."""
-    for check in (check_broker, check_serializers, check_acknowledgement, check_settings, check_database):
+    for check in (
+        check_broker,
+        check_serializers,
+        check_acknowledgement,
+        check_settings,
+        check_database,
+        check_connect_timeout,
+    ):
         checks.register(check, TAG)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
@@ -14,6 +18,8 @@ from django.core.management.base import SystemCheckError
 from lab.redis_servers import RedisServer, free_port
 from queueapp import checks
 from tests.helpers import reset_connections
+
+REPO = Path(__file__).resolve().parents[2]
 
 CELERY_SETTINGS = (
     "broker_url",
@@ -193,6 +199,44 @@ def test_sqlite_records_without_immediate_transactions_are_a_warning(settings, m
     assert checks.check_database() == []
     monkeypatch.setitem(settings.DATABASES, "records", {"ENGINE": "django.db.backends.postgresql"})
     assert checks.check_database() == []
+
+
+def test_postgresql_without_connect_timeout_is_a_warning(settings, monkeypatch):
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    settings.QUEUEAPP = {"DATABASE": "records"}
+    records = {"ENGINE": "django.db.backends.postgresql", "NAME": "x"}
+    monkeypatch.setitem(settings.DATABASES, "records", records)
+    (message,) = checks.check_connect_timeout()
+    assert message.id == "queueapp.W008" and "'records'" in message.msg
+    records["OPTIONS"] = {"connect_timeout": "0"}  # libpq's "wait forever"
+    assert [message.id for message in checks.check_connect_timeout()] == ["queueapp.W008"]
+    records["OPTIONS"] = {"connect_timeout": "5"}
+    assert checks.check_connect_timeout() == []
+    records["OPTIONS"] = {}
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "5")
+    assert checks.check_connect_timeout() == []
+    monkeypatch.delenv("PGCONNECT_TIMEOUT")
+    monkeypatch.setitem(settings.DATABASES, "records", {"ENGINE": "django.db.backends.sqlite3", "NAME": "x"})
+    assert checks.check_connect_timeout() == []
+
+
+@pytest.mark.parametrize(
+    ("url", "bound"),
+    [("postgres://postgres@127.0.0.1:1/x", 5), ("postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "2")],
+)
+def test_the_project_settings_bound_a_postgresql_connect(url, bound):
+    """settings/base.py gives PostgreSQL a connect_timeout unless its URL has one (no connection is made)."""
+    script = (
+        "import django; django.setup(); from django.conf import settings; from queueapp import checks; "
+        "print(settings.DATABASES['default']['OPTIONS']['connect_timeout'], checks.check_connect_timeout())"
+    )
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "settings.base"}
+    env.pop("PGCONNECT_TIMEOUT", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(bound), "[]"]
 
 
 def test_manage_py_check_runs_them(celery_conf, servers, redis_server):
