@@ -9,11 +9,9 @@ shared machine (CPU time on a loaded 2-core VM jitters by tens of µs).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-from kombu.transport.redis import PRIORITY_STEPS
 
 from lab.bench.core import (
     FENCED,
@@ -82,28 +80,28 @@ def test_the_harness_s_polls_are_measured_and_subtracted(redis_server, redis_cli
 
 
 def test_a_drain_is_metered_from_the_last_poll_that_found_every_message_unfetched(redis_client):
-    """What a consumer sends before it takes the first message (its start-up) is not the drain's."""
+    """What a consumer sends before it takes the first message (its start-up) is not the drain's.
+
+    The consumer runs between the harness's polls, deterministically: ``alive``
+    is called once per poll, after it. Its start-up command goes out after the
+    first poll, its takes after the second, which still finds every message.
+    """
     queue, messages = "bench.metered", 50
     redis_client.rpush(queue, *range(messages))  # The stock layout: the list of priority step 0.
+    steps = iter(
+        [
+            lambda: redis_client.set("bench.start-up", 1),
+            lambda: [redis_client.lpop(queue) for _ in range(messages)],
+        ]
+    )
 
-    def polled_lists() -> int:
-        return redis_client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0)
+    def consumer_between_polls() -> bool:
+        step = next(steps, None)
+        if step is not None:
+            step()
+        return True
 
-    def consumer() -> None:
-        redis_client.set("bench.start-up", 1)  # A worker's start-up: before any message is taken.
-        polls_seen = polled_lists()
-        deadline = time.monotonic() + 10
-        # Wait until the harness has polled again (every list) since, then take every message.
-        while polled_lists() < polls_seen + len(PRIORITY_STEPS):
-            assert time.monotonic() < deadline, "the harness stopped polling"
-            time.sleep(POLL_INTERVAL / 2)
-        for _ in range(messages):
-            redis_client.lpop(queue)
-
-    thread = threading.Thread(target=consumer)
-    thread.start()
-    drain = watch_drain(redis_client, STOCK, queue, messages, timeout=15)
-    thread.join(10)
+    drain = watch_drain(redis_client, STOCK, queue, messages, timeout=15, alive=consumer_between_polls)
 
     assert drain.load.calls["lpop"] == messages
-    assert "set" not in drain.load.calls  # Before the last poll that saw every message still there.
+    assert "set" not in drain.load.calls  # Sent before the last poll that saw every message still there.
