@@ -17,7 +17,7 @@
                           ``IMMEDIATE``: workers fail with "database is locked"
 ``queueapp.W008``         the records' or the admin's database is PostgreSQL without
                           ``connect_timeout``: a host that stops answering holds every new
-                          connection (a worker's claim, an admin page) for minutes
+                          connection (a worker's claim, an admin page) for minutes or hours
 ========================  =====================================================================
 
 The Redis checks connect with a short timeout (:data:`TIMEOUT`) and no
@@ -312,12 +312,13 @@ def check_connect_timeout(app_configs=None, **kwargs) -> list[checks.CheckMessag
     """A PostgreSQL connection must give up on a database host that does not answer.
 
     Without ``connect_timeout`` (or ``PGCONNECT_TIMEOUT``) libpq waits as long
-    as the operating system retries TCP, minutes: a database host that stops
-    answering then holds every worker at its next claim and every admin page.
-    With a bound, a worker gives the delivery back to the broker (counted,
-    with back-off) and a page fails in seconds. The records' database and
-    ``default`` (the admin's users and sessions) are looked at; read from the
-    settings: no connection.
+    as the operating system retries TCP (about two minutes on Linux), and for
+    hours (until TCP keepalive gives up) when the host takes the connection
+    and never answers: a database host that stops answering then holds every
+    worker at its next claim and every admin page. With a bound, a worker
+    gives the delivery back to the broker (counted, with back-off) and a page
+    fails in seconds. The records' database and ``default`` (the admin's
+    users and sessions) are looked at; read from the settings: no connection.
     """
     if _positive(os.environ.get("PGCONNECT_TIMEOUT")):
         return []
@@ -332,7 +333,7 @@ def check_connect_timeout(app_configs=None, **kwargs) -> list[checks.CheckMessag
             checks.Warning(
                 f"The database {alias!r} is PostgreSQL without connect_timeout: a database host "
                 "that stops answering holds every new connection (a worker's claim, an admin page) "
-                "for as long as TCP retries, minutes.",
+                "for minutes, or for hours if it takes the connection and never answers.",
                 hint=f'Set DATABASES["{alias}"]["OPTIONS"]["connect_timeout"] = 5 (seconds), '
                 "or add ?connect_timeout=5 to its URL.",
                 id="queueapp.W008",
