@@ -291,10 +291,10 @@ def check_database(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     (:mod:`queueapp.single_writer`). Read from the settings: no connection.
     """
     alias = conf.get("DATABASE")
-    database = settings.DATABASES.get(alias) or {}
-    if not str(database.get("ENGINE", "")).endswith("sqlite3"):
+    engine, options = _database_settings(alias)
+    if not engine.endswith("sqlite3"):
         return []
-    mode = str((database.get("OPTIONS") or {}).get("transaction_mode") or "DEFERRED").upper()
+    mode = str(options.get("transaction_mode") or "DEFERRED").upper()
     if mode in ("IMMEDIATE", "EXCLUSIVE"):
         return []
     return [
@@ -324,10 +324,8 @@ def check_connect_timeout(app_configs=None, **kwargs) -> list[checks.CheckMessag
         return []
     messages = []
     for alias in dict.fromkeys((conf.get("DATABASE"), "default")):
-        database = settings.DATABASES.get(alias) or {}
-        if "postgresql" not in str(database.get("ENGINE", "")):
-            continue
-        if _positive((database.get("OPTIONS") or {}).get("connect_timeout")):
+        engine, options = _database_settings(alias)
+        if "postgresql" not in engine or _positive(options.get("connect_timeout")):
             continue
         messages.append(
             checks.Warning(
@@ -340,6 +338,12 @@ def check_connect_timeout(app_configs=None, **kwargs) -> list[checks.CheckMessag
             )
         )
     return messages
+
+
+def _database_settings(alias: str) -> tuple[str, dict]:
+    """The ``ENGINE`` and ``OPTIONS`` of a database alias as configured (no connection is made)."""
+    database = settings.DATABASES.get(alias) or {}
+    return str(database.get("ENGINE", "")), database.get("OPTIONS") or {}
 
 
 def _positive(value) -> bool:

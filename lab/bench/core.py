@@ -269,7 +269,8 @@ def poll_backlog(client: redis.Redis, system: str, queue: str) -> Backlog:
             pipe.llen(f"{queue}{STOCK_PRIORITY_SEPARATOR}{step}" if step else queue)
         pipe.hlen("unacked")
         *lists, unacked = pipe.execute()
-        return Backlog(sum(lists), sum(lists) + unacked)
+        waiting = sum(lists)
+        return Backlog(waiting, waiting + unacked)
     if system == FENCED:
         keys = QueueKeys(queue)
         for key in (keys.ready, keys.leases, keys.delayed):
