@@ -11,9 +11,27 @@ publishes written in the caller's transaction, relayed to the broker later.
 from __future__ import annotations
 
 from django.core.serializers.json import DjangoJSONEncoder
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
+
+
+class NonNegativeIntegerField(models.IntegerField):
+    """An integer validated to be at least 0 in Python, with no ``CHECK`` constraint in the database.
+
+    The counters and retry numbers of the two rows every delivery writes.
+    ``PositiveIntegerField`` adds ``CHECK (x >= 0)``, and PostgreSQL reads
+    each check of a table back from its stored form at every statement that
+    writes a row of it: the eight checks of these two tables cost about 45 µs
+    of server CPU per exactly-once task (perf, docs/benchmarks.md). Only
+    queueapp's own statements write these columns, and they only add to them.
+    """
+
+    default_validators = [MinValueValidator(0)]
+
+    def formfield(self, **kwargs):
+        return super().formfield(**{"min_value": 0, **kwargs})
 
 
 class TaskOutcome(models.Model):
@@ -57,12 +75,12 @@ class TaskOutcome(models.Model):
         blank=True,
         help_text=_("Keyword arguments (JSON)."),
     )
-    attempts = models.PositiveIntegerField(
+    attempts = NonNegativeIntegerField(
         _("attempts"),
         default=0,
         help_text=_("Times the body ran (first run, Celery retries and redeliveries that got to run)."),
     )
-    deliveries = models.PositiveIntegerField(
+    deliveries = NonNegativeIntegerField(
         _("deliveries"), default=0, help_text=_("Deliveries seen, duplicates and refusals included.")
     )
     fence_token = models.BigIntegerField(
@@ -70,7 +88,7 @@ class TaskOutcome(models.Model):
         default=0,
         help_text=_("Highest fencing token seen for this key; a lower or equal one never commits."),
     )
-    retries = models.PositiveIntegerField(
+    retries = NonNegativeIntegerField(
         _("retries"),
         default=0,
         help_text=_(
@@ -116,17 +134,17 @@ class TaskOutcome(models.Model):
     )
     error = models.TextField(_("error"), blank=True, help_text=_("Last error (type and message)."))
     traceback = models.TextField(_("traceback"), blank=True, help_text=_("Traceback of the last error."))
-    suppressed_duplicates = models.PositiveIntegerField(
+    suppressed_duplicates = NonNegativeIntegerField(
         _("suppressed duplicates"),
         default=0,
         help_text=_("Deliveries suppressed because the key had already succeeded (or was dead)."),
     )
-    stale_refusals = models.PositiveIntegerField(
+    stale_refusals = NonNegativeIntegerField(
         _("stale refusals"),
         default=0,
         help_text=_("Deliveries refused because a newer fencing token had been seen."),
     )
-    deferrals = models.PositiveIntegerField(
+    deferrals = NonNegativeIntegerField(
         _("deferrals"),
         default=0,
         help_text=_("Deliveries given back to the broker with a higher token floor (e.g. after a failover)."),
@@ -183,6 +201,12 @@ class TaskDelivery(models.Model):
         related_name="delivery_log",
         verbose_name=_("outcome"),
         db_index=False,  # queueapp_delivery_outcome_idx starts with it: one index less per delivery written.
+        # No foreign key constraint in the database: PostgreSQL checks one at the commit of every
+        # claim that inserts a log row, by a query that locks the outcome row (a heap write and a
+        # WAL record): about 85 µs of server CPU per task. The rows are written by queueapp's own
+        # statements, with the outcome's id they just read, and deleted with their outcome by
+        # Django's CASCADE, which Django runs itself with or without the constraint.
+        db_constraint=False,
     )
     fence_token = models.BigIntegerField(_("fencing token"), help_text=_("Token this delivery presented."))
     token_source = models.CharField(
@@ -192,13 +216,13 @@ class TaskDelivery(models.Model):
         default=TokenSource.BROKER,
         help_text=_("Where the token came from: the broker, or the database fallback without fenced://."),
     )
-    delivery_count = models.PositiveIntegerField(
+    delivery_count = NonNegativeIntegerField(
         _("delivery count"),
         null=True,
         blank=True,
         help_text=_("Broker's delivery count of the message (1: first)."),
     )
-    retries = models.PositiveIntegerField(_("retries"), default=0, help_text=_("Celery retry number."))
+    retries = NonNegativeIntegerField(_("retries"), default=0, help_text=_("Celery retry number."))
     worker = models.CharField(_("worker"), max_length=255, blank=True)
     task_id = models.CharField(_("task id"), max_length=255, blank=True)
     message_id = models.CharField(_("message id"), max_length=255, blank=True)

@@ -502,11 +502,17 @@ def _success_sql(vendor: str) -> tuple[str, str]:
         _literal(Status.RUNNING),
         _literal(Verdict.EXECUTED),
     )
+    # The row is found by its primary key alone. Written as ``status = 'running'``, the status test
+    # can use the lease index (status, lease_deadline), and when the statistics say few rows run
+    # (analysed while none did) PostgreSQL prices that scan like the primary key's and may take
+    # it: every success then reads the index entries of every running row, and of every row that
+    # ran since the last vacuum (1.3 ms instead of 0.05 with 2,500 running). ``IS TRUE`` is the
+    # same test, which no index can serve.
     outcome = f"""
         UPDATE {o["table"]} SET {o["status"]} = {succeeded}, {o["result"]} = %s, {o["error"]} = '',
             {o["traceback"]} = '', {o["finished_at"]} = %s, {o["lease_deadline"]} = NULL,
             {o["updated_at"]} = %s
-        WHERE {o["id"]} = %s AND {o["fence_token"]} = %s AND {o["status"]} = {running}
+        WHERE {o["id"]} = %s AND {o["fence_token"]} = %s AND ({o["status"]} = {running}) IS TRUE
     """
     log = f"UPDATE {d['table']} SET {d['verdict']} = {executed}, {d['finished_at']} = %s WHERE {d['id']} = %s"
     if vendor == "sqlite":

@@ -17,10 +17,11 @@ from collections.abc import Iterator
 import pytest
 from django.db import close_old_connections, connection, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from broker_ext.records import Delivery
 from lab.bench.querylog import classify
-from queueapp import ledger
+from queueapp import ledger, statements
 from queueapp.delivery import DeliveryInfo
 from queueapp.models import TaskDelivery, TaskOutcome
 from tests.queueapp import demo_tasks
@@ -317,3 +318,32 @@ def test_a_migration_that_changes_a_returned_column_does_not_break_the_prepared_
         assert connection.connection.info.backend_pid != before
     finally:
         migrate("integer")
+
+
+def _index_scans(plan: dict) -> list[tuple[str, str]]:
+    """The (table, index) of every index scan in an ``EXPLAIN (FORMAT JSON)`` plan."""
+    scans = [(plan["Relation Name"], plan["Index Name"])] if "Index Name" in plan else []
+    for child in plan.get("Plans", []):
+        scans += _index_scans(child)
+    return scans
+
+
+@postgres_only
+def test_the_success_finds_its_row_by_primary_key_whatever_the_statistics_say(effects):
+    """Analysed while no row ran, then many run: the success must not scan the lease index's running rows."""
+    keys = [queued() for _ in range(300)]
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {TaskOutcome._meta.db_table}")
+    TaskOutcome.objects.filter(idempotency_key__in=keys[::2]).update(
+        status=Status.RUNNING, fence_token=7, lease_deadline=timezone.now()
+    )
+    running = TaskOutcome.objects.get(idempotency_key=keys[0])
+    statements.names(connection)
+    outcome_sql, _ = statements._success_sql(connection.vendor)
+    with connection.cursor() as cursor:
+        now = timezone.now()
+        cursor.execute(f"EXPLAIN (FORMAT JSON) {outcome_sql}", [None, now, now, running.pk, 7, now, 1])
+        (explained,) = cursor.fetchone()
+    scans = _index_scans(explained[0]["Plan"])
+    assert (TaskOutcome._meta.db_table, "queueapp_taskoutcome_pkey") in scans, scans
+    assert not [index for _, index in scans if index == "queueapp_outcome_lease_idx"], scans
