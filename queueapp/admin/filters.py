@@ -6,6 +6,9 @@ from django.contrib import admin
 from django.db.models import Q
 from django.utils.translation import gettext_lazy as _
 
+from queueapp import conf
+from queueapp.models import TaskOutcome
+from queueapp.ops.large_tables import distinct_values
 from queueapp.ops.reports import duplicated_filter, stuck_filter
 
 #: Most distinct task names / queues a filter lists (the search box finds the rest).
@@ -13,18 +16,12 @@ MAX_CHOICES = 50
 
 
 class _DistinctValueFilter(admin.SimpleListFilter):
-    """Filter on one column by its distinct values, read from the rows the changelist sees."""
+    """Filter on one column by the distinct values the outcome rows hold (an index walk on PostgreSQL)."""
 
     field_name = ""
 
     def lookups(self, request, model_admin):
-        values = (
-            model_admin.get_queryset(request)
-            .exclude(**{self.field_name: ""})
-            .order_by(self.field_name)
-            .values_list(self.field_name, flat=True)
-            .distinct()[:MAX_CHOICES]
-        )
+        values = distinct_values(TaskOutcome, self.field_name, using=conf.get("DATABASE"), limit=MAX_CHOICES)
         return [(value, value) for value in values]
 
     def queryset(self, request, queryset):

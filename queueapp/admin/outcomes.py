@@ -23,6 +23,7 @@ from broker_ext.records import Place
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
+from queueapp.admin.large_tables import LargeTableAdmin
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
 from queueapp.broker import describe_payload
@@ -94,7 +95,7 @@ class TaskDeliveryInline(admin.TabularInline):
         return False
 
 
-class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, ReadOnlyAdmin):
+class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadOnlyAdmin):
     list_display = (
         "key_short",
         "status_badge",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.utils.translation import gettext_lazy as _
 
+from queueapp.admin.filters import QueueFilter
+from queueapp.admin.large_tables import LargeTableAdmin
 from queueapp.models import OutboxMessage
 
 
@@ -21,9 +23,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class TaskDeliveryAdmin(ReadOnlyAdmin):
+class TaskDeliveryAdmin(LargeTableAdmin, ReadOnlyAdmin):
     list_display = ("started_at", "outcome", "verdict", "fence_token", "delivery_count", "worker", "queue")
-    list_filter = ("verdict", "token_source", "queue")
+    # The queues are the outcome rows' (their index), not a DISTINCT over every delivery.
+    list_filter = ("verdict", "token_source", QueueFilter)
     search_fields = ("outcome__idempotency_key", "task_id", "message_id", "worker")
     list_select_related = ("outcome",)
     date_hierarchy = "started_at"

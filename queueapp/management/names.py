@@ -27,6 +27,7 @@ from queueapp import conf
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskOutcome
 from queueapp.ops.connection import ops_channel
+from queueapp.ops.large_tables import DISTINCT_LIMIT, distinct_values
 from queueapp.ops.queues import known_queues
 
 #: Most close matches an error names.
@@ -87,9 +88,7 @@ def check_queues(app, names: Sequence[str]) -> None:
 def task_names(app) -> set[str]:
     """Registered Celery tasks (Celery's own left out) and the task names outcome rows hold."""
     names = {name for name in app.tasks if not name.startswith("celery.")}
-    names.update(
-        TaskOutcome.objects.using(conf.get("DATABASE")).values_list("task_name", flat=True).distinct()
-    )
+    names.update(distinct_values(TaskOutcome, "task_name", using=conf.get("DATABASE"), limit=DISTINCT_LIMIT))
     names.discard("")
     return names
 

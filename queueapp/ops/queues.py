@@ -15,6 +15,7 @@ from broker_ext.records import QueueStats
 from queueapp import conf
 from queueapp.models import TaskOutcome
 from queueapp.ops.connection import ops_channel
+from queueapp.ops.large_tables import DISTINCT_LIMIT, distinct_values
 
 _TRANSIENT_SUFFIX = ".reply.celery.pidbox"
 
@@ -38,13 +39,7 @@ def scanned_queues(channel, limit: int | None = None) -> set[str]:
 def known_queues(app, channel=None) -> list[str]:
     """Every queue ops should see, sorted: configured, named by an outcome, or found in Redis."""
     names = configured_queues(app)
-    names.update(
-        TaskOutcome.objects.using(conf.get("DATABASE"))
-        .exclude(queue="")
-        .values_list("queue", flat=True)
-        .order_by()  # the model's ordering would make DISTINCT return one row per outcome
-        .distinct()
-    )
+    names.update(distinct_values(TaskOutcome, "queue", using=conf.get("DATABASE"), limit=DISTINCT_LIMIT))
     if channel is not None:
         names.update(scanned_queues(channel))
     return sorted(name for name in names if not name.endswith(_TRANSIENT_SUFFIX))

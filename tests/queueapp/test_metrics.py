@@ -199,5 +199,5 @@ def test_the_queue_list_reads_each_queue_name_once_not_one_row_per_outcome(queue
     )
     with CaptureQueriesContext(db) as queries:
         assert known_queues(app) == ["celery", "q0", "q1", "q2"]
-    (select,) = [q["sql"] for q in queries.captured_queries if "DISTINCT" in q["sql"]]
-    assert "ORDER BY" not in select  # ordered by queued_at, DISTINCT would return all 300 rows
+    (select,) = queries.captured_queries  # one query: DISTINCT, or on PostgreSQL an index walk
+    assert "queued_at" not in select["sql"]  # ordered by queued_at, DISTINCT would return all 300 rows
