@@ -45,7 +45,7 @@ from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import OperationalError, connections, transaction
-from django.db.models import F
+from django.db.models import BooleanField, ExpressionWrapper, F, Func, Q
 from django.utils import timezone
 
 from queueapp import cache, conf, statements
@@ -556,6 +556,25 @@ def record_outranked(outranked: Outranked, delivery: DeliveryInfo, verdict: str,
         )
 
 
+class _Unindexed(Func):
+    """A condition PostgreSQL cannot answer from an index: ``(condition) IS TRUE``.
+
+    For a write that must find its row by primary key whatever the statistics
+    say: ``status = 'running'`` could otherwise be served by the lease index
+    and read the entries of every running row (the success statement's
+    reason, :func:`queueapp.statements._success_sql`).
+    """
+
+    template = "%(expressions)s"
+    output_field = BooleanField()
+
+    def __init__(self, condition: Q) -> None:
+        super().__init__(ExpressionWrapper(condition, output_field=BooleanField()))
+
+    def as_postgresql(self, compiler, connection, **extra_context):
+        return self.as_sql(compiler, connection, template="(%(expressions)s) IS TRUE", **extra_context)
+
+
 def record_failure(claim: Claim, exc: BaseException, *, retrying: bool) -> None:
     """Log a body that raised (its writes are rolled back); fail the key unless a retry follows."""
     now = timezone.now()
@@ -563,7 +582,7 @@ def record_failure(claim: Claim, exc: BaseException, *, retrying: bool) -> None:
     trace = "".join(tb.format_exception(exc))
     with transaction.atomic(using=_db()):
         TaskOutcome.objects.using(_db()).filter(
-            pk=claim.outcome_id, fence_token=claim.token, status=Status.RUNNING
+            _Unindexed(Q(status=Status.RUNNING)), pk=claim.outcome_id, fence_token=claim.token
         ).update(
             status=Status.QUEUED if retrying else Status.FAILED,
             error=error,

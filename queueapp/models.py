@@ -25,7 +25,8 @@ class NonNegativeIntegerField(models.IntegerField):
     each check of a table back from its stored form at every statement that
     writes a row of it: the eight checks of these two tables cost about 45 µs
     of server CPU per exactly-once task (perf, docs/benchmarks.md). Only
-    queueapp's own statements write these columns, and they only add to them.
+    queueapp's own statements write these columns, and only with values that
+    cannot be negative (counts, Celery's retry number, the broker's delivery count).
     """
 
     default_validators = [MinValueValidator(0)]

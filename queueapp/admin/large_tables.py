@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from queueapp.ops.large_tables import EstimatedCountPaginator, ProbedDatesQuerySet
+from queueapp.ops.large_tables import EstimatedCountPaginator, probed_dates
 
 
 class LargeTableAdmin(admin.ModelAdmin):
     """A changelist for a table of millions of rows (see :mod:`queueapp.ops.large_tables`).
 
     The unfiltered count is PostgreSQL's estimate; the second count Django
-    makes beside a filtered one ("3 results (40,000,000 total)") is left out;
-    the date hierarchy probes periods instead of reading every row's date.
+    makes beside a filtered one ("3 results (40,000,000 total)") and the
+    filters' facet counts (Django's "Show counts": a ``COUNT`` per choice)
+    are left out; the date hierarchy probes periods instead of reading every
+    row's date.
     """
 
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
 
     def get_queryset(self, request):
-        queryset = super().get_queryset(request)
-        return ProbedDatesQuerySet(
-            model=queryset.model, query=queryset.query, using=queryset._db, hints=queryset._hints
-        )
+        return probed_dates(super().get_queryset(request))

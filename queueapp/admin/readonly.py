@@ -25,7 +25,9 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 class TaskDeliveryAdmin(LargeTableAdmin, ReadOnlyAdmin):
     list_display = ("started_at", "outcome", "verdict", "fence_token", "delivery_count", "worker", "queue")
-    # The queues are the outcome rows' (their index), not a DISTINCT over every delivery.
+    # The queues listed are the outcome rows' (read from their index), not a DISTINCT over every
+    # delivery: a queue that only older deliveries of a key came from, before its latest moved
+    # the key to another queue, is not listed (the queue column of the list still shows it).
     list_filter = ("verdict", "token_source", QueueFilter)
     search_fields = ("outcome__idempotency_key", "task_id", "message_id", "worker")
     list_select_related = ("outcome",)

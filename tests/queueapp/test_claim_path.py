@@ -328,22 +328,44 @@ def _index_scans(plan: dict) -> list[tuple[str, str]]:
     return scans
 
 
-@postgres_only
-def test_the_success_finds_its_row_by_primary_key_whatever_the_statistics_say(effects):
-    """Analysed while no row ran, then many run: the success must not scan the lease index's running rows."""
+def _many_running_unbeknown_to_the_statistics() -> list[str]:
+    """300 queued keys, analysed, then half of them running: statistics that say no row runs."""
     keys = [queued() for _ in range(300)]
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {TaskOutcome._meta.db_table}")
     TaskOutcome.objects.filter(idempotency_key__in=keys[::2]).update(
         status=Status.RUNNING, fence_token=7, lease_deadline=timezone.now()
     )
-    running = TaskOutcome.objects.get(idempotency_key=keys[0])
-    statements.names(connection)
-    outcome_sql, _ = statements._success_sql(connection.vendor)
+    return keys[::2]
+
+
+def _assert_found_by_primary_key(sql: str, params: list | None) -> None:
     with connection.cursor() as cursor:
-        now = timezone.now()
-        cursor.execute(f"EXPLAIN (FORMAT JSON) {outcome_sql}", [None, now, now, running.pk, 7, now, 1])
+        cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
         (explained,) = cursor.fetchone()
     scans = _index_scans(explained[0]["Plan"])
     assert (TaskOutcome._meta.db_table, "queueapp_taskoutcome_pkey") in scans, scans
     assert not [index for _, index in scans if index == "queueapp_outcome_lease_idx"], scans
+
+
+@postgres_only
+def test_the_success_finds_its_row_by_primary_key_whatever_the_statistics_say(effects):
+    """Analysed while no row ran, then many run: the success must not scan the lease index's running rows."""
+    running = TaskOutcome.objects.get(idempotency_key=_many_running_unbeknown_to_the_statistics()[0])
+    statements.names(connection)
+    outcome_sql, _ = statements._success_sql(connection.vendor)
+    now = timezone.now()
+    _assert_found_by_primary_key(outcome_sql, [None, now, now, running.pk, 7, now, 1])
+
+
+@postgres_only
+def test_a_failure_is_recorded_on_its_row_found_by_primary_key_whatever_the_statistics_say(effects):
+    key = _many_running_unbeknown_to_the_statistics()[0]
+    claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
+    with CaptureQueriesContext(connection) as queries:
+        ledger.record_failure(claim, RuntimeError("boom"), retrying=False)
+    (update,) = [
+        q["sql"] for q in queries.captured_queries if q["sql"].startswith('UPDATE "queueapp_taskoutcome"')
+    ]
+    assert TaskOutcome.objects.get(idempotency_key=key).status == Status.FAILED
+    _assert_found_by_primary_key(update, None)

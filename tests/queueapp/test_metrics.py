@@ -201,3 +201,4 @@ def test_the_queue_list_reads_each_queue_name_once_not_one_row_per_outcome(queue
         assert known_queues(app) == ["celery", "q0", "q1", "q2"]
     (select,) = queries.captured_queries  # one query: DISTINCT, or on PostgreSQL an index walk
     assert "queued_at" not in select["sql"]  # ordered by queued_at, DISTINCT would return all 300 rows
+    assert ("WITH RECURSIVE" in select["sql"]) == (db.vendor == "postgresql"), select["sql"]
