@@ -42,7 +42,7 @@ from queueapp import conf
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
 from queueapp.ops.connection import ops_channel
-from queueapp.ops.large_tables import ESTIMATE_ABOVE, estimated_rows
+from queueapp.ops.large_tables import large_table_estimate
 from queueapp.ops.queues import configured_queues, known_queues, scanned_queues
 
 logger = logging.getLogger(__name__)
@@ -173,8 +173,8 @@ def outcome_counts(using: str) -> dict[str, int]:
     statuses, which are counted from the status index.
     """
     outcomes = TaskOutcome.objects.using(using)
-    estimate = estimated_rows(TaskOutcome, using=using)
-    if estimate is None or estimate <= ESTIMATE_ABOVE:
+    estimate = large_table_estimate(TaskOutcome, using=using)
+    if estimate is None:
         rows = outcomes.values("status").annotate(n=Count("pk")).order_by()
         return {row["status"]: row["n"] for row in rows}
     succeeded = TaskOutcome.Status.SUCCEEDED.value

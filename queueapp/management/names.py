@@ -89,7 +89,6 @@ def task_names(app) -> set[str]:
     """Registered Celery tasks (Celery's own left out) and the task names outcome rows hold."""
     names = {name for name in app.tasks if not name.startswith("celery.")}
     names.update(distinct_values(TaskOutcome, "task_name", using=conf.get("DATABASE"), limit=DISTINCT_LIMIT))
-    names.discard("")
     return names
 
 

@@ -90,6 +90,12 @@ def estimated_rows(model: type[Model], *, using: str) -> int | None:
     return int(row[0])
 
 
+def large_table_estimate(model: type[Model], *, using: str) -> int | None:
+    """:func:`estimated_rows` when above :data:`ESTIMATE_ABOVE`, else ``None``: count exactly."""
+    estimate = estimated_rows(model, using=using)
+    return estimate if estimate is not None and estimate > ESTIMATE_ABOVE else None
+
+
 class EstimatedCountPaginator(Paginator):
     """Django's paginator, counting an unfiltered queryset of a large PostgreSQL table by its estimate.
 
@@ -105,8 +111,8 @@ class EstimatedCountPaginator(Paginator):
     def count(self) -> int:
         queryset = self.object_list
         if isinstance(queryset, QuerySet) and not queryset.query.where:
-            estimate = estimated_rows(queryset.model, using=queryset.db)
-            if estimate is not None and estimate > ESTIMATE_ABOVE:
+            estimate = large_table_estimate(queryset.model, using=queryset.db)
+            if estimate is not None:
                 return estimate
         return super().count
 

@@ -99,7 +99,7 @@ def test_an_unfiltered_large_table_is_counted_by_estimate_and_a_filtered_one_exa
 
 
 def test_outcome_counts_estimate_only_the_succeeded_rows_of_a_large_table(monkeypatch):
-    monkeypatch.setattr(metrics, "ESTIMATE_ABOVE", 5)
+    monkeypatch.setattr(large_tables, "ESTIMATE_ABOVE", 5)
     statuses = [Status.QUEUED] * 2 + [Status.RUNNING, Status.DEAD] + [Status.SUCCEEDED] * 8
     for status in statuses:
         outcome(status=status)
