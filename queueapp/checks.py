@@ -288,7 +288,7 @@ def check_database(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     writes, fails at once with "database is locked" when another worker wrote
     in between (the busy timeout does not cover that case), and a delivery
     cannot run its claim, body and success in one transaction
-    (:mod:`queueapp.single_writer`). Read from the settings: no connection.
+    (:mod:`queueapp.held`). Read from the settings: no connection.
     """
     alias = conf.get("DATABASE")
     engine, options = _database_settings(alias)

@@ -19,6 +19,12 @@ dict is kept between lookups until ``setting_changed`` says it changed).
     short write, no lock wait on the body). ``False``: it is only logged.
 ``RECORD_QUEUED`` (``True``)
     Publishing an exactly-once task records its outcome row as *queued*.
+``RECORD_RUNNING`` (``False``)
+    Every delivery commits its claim before its body runs, so the key shows
+    *running* (with its lease) while the body runs: two transactions per task.
+    ``False``: a fenced first delivery claims, runs and succeeds in one
+    transaction (:mod:`queueapp.held`) and its key goes from *queued*
+    to its verdict; a redelivery always commits its claim first.
 ``PREPARED_STATEMENTS`` (``True``)
     On PostgreSQL, the claim, the success and the *queued* record run as
     prepared statements (:mod:`queueapp.statements`): parsing and planning
@@ -116,6 +122,7 @@ DEFAULTS: dict[str, Any] = {
     "CACHE_TIMEOUT": 86400,
     "AUDIT_CACHED_DUPLICATES": True,
     "RECORD_QUEUED": True,
+    "RECORD_RUNNING": False,
     "PREPARED_STATEMENTS": True,
     "QUEUED_WRITE_DELAY": 0.2,
     "QUEUED_BATCH_SIZE": 500,

@@ -29,10 +29,10 @@ class DeliveryRefused(QueueappError):
 
 
 class BodyFailed(QueueappError):
-    """Raised when a body run under SQLite's write lock raised: rolled back, nothing written.
+    """Raised when a held body (or its success) raised: rolled back, nothing written.
 
-    Internal control flow of :mod:`queueapp.single_writer`; ``held`` is the
-    claim decided under the lock, ``error`` what the body raised.
+    Internal control flow of :mod:`queueapp.held`; ``held`` is the
+    claim its check decided, ``error`` what the body or the success raised.
     """
 
     def __init__(self, held, error: Exception) -> None:

@@ -10,10 +10,12 @@ The order matters and is the guarantee:
 3. :func:`queueapp.ledger.commit` runs the body and commits its writes with
    the success, conditional on the token, or rolls everything back.
 
-On SQLite, steps 2 and 3 are one transaction under the database's write lock
-(:mod:`queueapp.single_writer`) whenever the common claim matches; a body that
-raises there is rolled back whole, and its failure is recorded by a claim made
-after (:func:`_held_failed`).
+Steps 2 and 3 are one transaction (:mod:`queueapp.held`) for a fenced
+delivery whose row the common claim matches: every one on SQLite (under the
+database's write lock), the first delivery of its message on PostgreSQL. A
+body that raises there is rolled back whole, and its failure, or a success
+the row no longer allowed, is recorded by a claim made after
+(:func:`_held_failed`).
 
 Celery's ``self.retry()`` and ``autoretry_for`` are attempts of the same key:
 the retry message carries the same task id (the default key) or the same
@@ -31,7 +33,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 from django.db import DatabaseError, InterfaceError, OperationalError
 
-from queueapp import broker, cache, conf, ledger, single_writer
+from queueapp import broker, cache, conf, held, ledger
 from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
 from queueapp.errors import BodyFailed, DeliveryRefused
 
@@ -123,16 +125,16 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
         return cached.result
     failure = None
     try:
-        result = single_writer.NOT_HELD
-        if single_writer.applies(conf.get("DATABASE"), delivery):
-            result = single_writer.run(
+        result = held.NOT_HELD
+        if held.applies(conf.get("DATABASE"), delivery):
+            result = held.run(
                 key,
                 delivery,
                 body,
                 args=args,
                 kwargs=kwargs,
                 cache_success=not uncached,
-                running=lambda held: _running(held, delivery),
+                running=lambda claim: _running(claim, delivery),
             )
     except BodyFailed as failed:
         failure = failed
@@ -140,7 +142,7 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
         return _database_unavailable(task, key, delivery, exc)
     if failure is not None:  # Out of the except clause: the body's error goes on as itself, unchained.
         return _held_failed(task, failure, delivery, args, kwargs)
-    if result is not single_writer.NOT_HELD:
+    if result is not held.NOT_HELD:
         return result
     try:
         decision = ledger.claim(
@@ -176,7 +178,7 @@ def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
 
 
 @contextlib.contextmanager
-def _running(claim: ledger.Claim | single_writer.HeldClaim, delivery: DeliveryInfo) -> Iterator[None]:
+def _running(claim: ledger.Claim | held.HeldClaim, delivery: DeliveryInfo) -> Iterator[None]:
     """The :class:`ExactlyOnceContext` of a claimed delivery, for its body to read."""
     reset = activate(
         ExactlyOnceContext(
@@ -206,7 +208,7 @@ def _run_claimed(
 
 
 def _held_failed(task, failed: BodyFailed, delivery: DeliveryInfo, args: list, kwargs: dict) -> Any:
-    """A body run under SQLite's write lock raised, nothing written: record it the two-transaction way.
+    """A held body (or its success) raised, nothing written: record it the two-transaction way.
 
     The claim is made now and the failure recorded on it, as if the claim had
     been committed before the body. If another delivery took the key in the

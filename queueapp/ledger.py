@@ -17,8 +17,8 @@ Two transactions per delivery that runs, one of them synchronous:
 Every later write to an outcome row is conditional on the writer's token, so a
 delivery that lost the key can never overwrite the state of the one that owns it.
 
-On SQLite a worker's delivery usually takes neither step here: its body holds
-the database's one write lock anyway, so :mod:`queueapp.single_writer` checks,
+A worker's fenced delivery usually takes neither step here (on SQLite every
+one, on PostgreSQL the first of its message): :mod:`queueapp.held` checks,
 runs and commits the claim with the success in one transaction, and comes here
 only for the cases the common claim does not match (and to record a failure).
 

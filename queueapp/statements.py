@@ -17,6 +17,7 @@ The rules these statements implement, and why their commits are safe, are in
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -270,7 +271,7 @@ def _claim_fragments(vendor: str, fenced: bool, *, succeeded: bool = False) -> t
     """The claim's ``SET`` list and ``WHERE`` condition, shared by every statement that claims a key.
 
     ``succeeded`` writes the claim and the success at once (SQLite's
-    :mod:`queueapp.single_writer`): the same assignments, with the row
+    :mod:`queueapp.held`): the same assignments, with the row
     *succeeded* and finished instead of *running* under a lease, and its result.
     The values to bind, in order, are :func:`claim_params`'s.
     """
@@ -321,10 +322,13 @@ def _log_insert(vendor: str, fenced: bool, verdict: str) -> tuple[str, str]:
     """The log row's columns and ``VALUES`` list: the outcome and token first, then :data:`_LOG_COLUMNS`.
 
     The token source, the verdict and the (empty) detail are written into
-    the SQL; an executed delivery's row also gets its finish time, last.
+    the SQL. An executed delivery's row (the held path's) has no lease
+    deadline, which it never waited on, and gets its finish time, last.
     """
     _, d = _NAMES[vendor]
-    names = [*_LOG_COLUMNS, "finished_at"] if verdict == Verdict.EXECUTED else list(_LOG_COLUMNS)
+    names = list(_LOG_COLUMNS)
+    if verdict == Verdict.EXECUTED:
+        names = [*_LOG_COLUMNS[:-1], "finished_at"]
     columns = ", ".join(d[name] for name in names)
     constants = [_literal(_SOURCES[fenced]), _literal(verdict), "''"]
     return columns, ", ".join([*constants, *["%s"] * (len(names) - 5)])
@@ -380,9 +384,19 @@ def _claim_conditions(connection, key: str, delivery: DeliveryInfo) -> list:
 
 
 def adapt_arguments(connection, args: list, kwargs: dict) -> tuple:
-    """The delivery's arguments as the claim binds them (JSON); ``TypeError`` for what JSON cannot hold."""
-    adapt = connection.ops.adapt_json_value
-    return adapt(list(args), DjangoJSONEncoder), adapt(dict(kwargs), DjangoJSONEncoder)
+    """The delivery's arguments as the claim binds them (JSON); ``TypeError`` now for what JSON cannot hold.
+
+    PostgreSQL's adapter would serialize them only when a statement binds
+    them, which on the held path (:mod:`queueapp.held`) is after the
+    body: they are serialized here, and the adapter is handed the text.
+    """
+    if connection.vendor != "postgresql":
+        adapt = connection.ops.adapt_json_value
+        return adapt(list(args), DjangoJSONEncoder), adapt(dict(kwargs), DjangoJSONEncoder)
+    from django.db.backends.postgresql.psycopg_any import Jsonb
+
+    given = (json.dumps(list(args), cls=DjangoJSONEncoder), json.dumps(dict(kwargs), cls=DjangoJSONEncoder))
+    return tuple(Jsonb(text, dumps=str) for text in given)  # str(text) is the text: already JSON.
 
 
 def _claim_values(
@@ -434,7 +448,11 @@ def claim_params(
 
 @dataclass(frozen=True)
 class HeldSQL:
-    """The statements of :mod:`queueapp.single_writer` (SQLite): check, then claim and succeed at once."""
+    """The statements of :mod:`queueapp.held`: check, then claim and succeed at once.
+
+    On PostgreSQL the log row is inserted by the success's own statement (only
+    if the row matched) and ``log_insert`` is empty; on SQLite it is a second one.
+    """
 
     check: str
     succeed: str
@@ -444,19 +462,24 @@ class HeldSQL:
 @functools.cache
 def _held_sql(vendor: str) -> HeldSQL:
     o, d = _NAMES[vendor]
-    # Only fenced deliveries are held (:func:`queueapp.single_writer.applies`).
+    # Only fenced deliveries are held (:func:`queueapp.held.applies`).
     _, conditions = _claim_fragments(vendor, fenced=True)
     assignments, _ = _claim_fragments(vendor, fenced=True, succeeded=True)
     log_columns, log_values = _log_insert(vendor, True, Verdict.EXECUTED)
-    return HeldSQL(
-        check=f"SELECT {o['id']}, {o['attempts']} FROM {o['table']} WHERE {conditions}",
-        succeed=f"UPDATE {o['table']} SET {assignments} WHERE {o['id']} = %s AND {conditions}",
-        log_insert=f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})",
-    )
+    check = f"SELECT {o['id']}, {o['attempts']} FROM {o['table']} WHERE {conditions}"
+    succeed = f"UPDATE {o['table']} SET {assignments} WHERE {o['id']} = %s AND {conditions}"
+    if vendor == "sqlite":
+        log_insert = f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})"
+        return HeldSQL(check=check, succeed=succeed, log_insert=log_insert)
+    succeed_and_log = f"""
+        WITH done AS ({succeed} RETURNING {o["id"]})
+        INSERT INTO {d["table"]} ({log_columns}) SELECT %s, %s, {log_values} FROM done
+    """
+    return HeldSQL(check=check, succeed=succeed_and_log, log_insert="")
 
 
 def held_sql(connection) -> HeldSQL:
-    """The statements of :mod:`queueapp.single_writer` on ``connection``'s database (SQLite)."""
+    """The statements of :mod:`queueapp.held` on ``connection``'s database."""
     names(connection)
     return _held_sql(connection.vendor)
 
@@ -483,7 +506,8 @@ def held_params(
     ``given`` is :func:`adapt_arguments`' pair, made before the body ran.
 
     The log row of a delivery that committed before anyone could see it
-    claimed has no lease deadline: it never waited on one.
+    claimed has no lease deadline column (:func:`_log_insert`): it never
+    waited on one.
     """
     ops = connection.ops
     started, finished = ops.adapt_datetimefield_value(started), ops.adapt_datetimefield_value(finished)
@@ -491,7 +515,7 @@ def held_params(
     assignments, conditions, log = _claim_values(
         connection, key, delivery, given, started, finished, finished
     )
-    return [*assignments, result, outcome_id, *conditions], [outcome_id, token, *log, None, finished]
+    return [*assignments, result, outcome_id, *conditions], [outcome_id, token, *log, finished]
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 ``REDIS_URL``     the Redis server for broker and cache (default ``redis://127.0.0.1:6379/0``).
 ``BROKER_URL``    the Celery broker; default: ``fenced://`` on the same Redis.
 ``DATABASE_URL``  any dj-database-url URL; default: SQLite file ``var/db.sqlite3``.
+``QUEUEAPP_RECORD_RUNNING``  ``1``: queueapp's ``RECORD_RUNNING`` (claims committed before bodies).
 """
 
 import os
@@ -111,6 +112,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # (then every N tasks); queueapp closes them at task boundaries by Django's own rule instead
 # (CONN_MAX_AGE, errors, CONN_HEALTH_CHECKS): see docs/benchmarks.md.
 CELERY_DB_REUSE_MAX = int(os.environ.get("CELERY_DB_REUSE_MAX", "100000"))
+
+# queueapp's settings: every key and its default in queueapp/conf.py.
+QUEUEAPP = {"RECORD_RUNNING": os.environ.get("QUEUEAPP_RECORD_RUNNING") == "1"}
 
 # django-redis: the project's cache, on the same Redis as the broker.
 CACHES = {

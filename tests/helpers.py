@@ -32,33 +32,17 @@ def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 
 
-def body_running(key: str) -> bool:
-    """Whether a worker is running the body of ``key``, as another connection can tell.
+def body_started(key: str) -> bool:
+    """Whether a worker started the body of ``key`` (a demo task, which says so in the cache).
 
-    On PostgreSQL (and SQLite's two-transaction path) the outcome row is
-    *running*. On SQLite a held delivery (:mod:`queueapp.single_writer`) shows
-    nothing until it commits; its body holds the database's write lock, which
-    another connection then cannot take.
+    The database cannot always tell: a held delivery (:mod:`queueapp.held`)
+    writes nothing before its verdict.
     """
-    import sqlite3
+    from django.core.cache import cache
 
-    from django.db import connection
+    from tests.queueapp.demo_tasks import body_started_key
 
-    from queueapp.models import TaskOutcome
-
-    if TaskOutcome.objects.filter(idempotency_key=key, status=TaskOutcome.Status.RUNNING).exists():
-        return True
-    if connection.vendor != "sqlite":
-        return False
-    other = sqlite3.connect(connection.settings_dict["NAME"], timeout=0, isolation_level=None)
-    try:
-        other.execute("BEGIN IMMEDIATE")
-        other.execute("ROLLBACK")
-        return False
-    except sqlite3.OperationalError:
-        return True
-    finally:
-        other.close()
+    return cache.get(body_started_key(key)) is not None
 
 
 def runs(record: redis.Redis) -> list[dict]:

@@ -11,6 +11,7 @@ import os
 import time
 
 from celery import shared_task
+from django.core.cache import cache
 from django.db import connection
 
 from queueapp import current_delivery, exactly_once
@@ -39,6 +40,17 @@ def effect_rows() -> list[tuple]:
         return list(cursor.fetchall())
 
 
+def body_started_key(key: str) -> str:
+    return f"test:body-started:{key}"
+
+
+def announce_body() -> None:
+    """Say in the cache, outside the body's transaction, that this key's body runs (tests wait for it)."""
+    context = current_delivery()
+    if context is not None:
+        cache.set(body_started_key(context.key), os.getpid(), 600)
+
+
 def record_effect(label: str, attempt: int = 0) -> None:
     context = current_delivery()
     with connection.cursor() as cursor:
@@ -52,6 +64,7 @@ def record_effect(label: str, attempt: int = 0) -> None:
 @shared_task(bind=True)
 def effect(self, label: str, sleep: float = 0.0) -> dict:
     """One effect, then an optional sleep inside the transaction."""
+    announce_body()
     record_effect(label)
     time.sleep(sleep)
     return {"label": label, "key": self.idempotency_key, "token": self.fence_token}
@@ -61,6 +74,7 @@ def effect(self, label: str, sleep: float = 0.0) -> dict:
 @shared_task(bind=True)
 def charge(self, order_id: int, amount: int, sleep: float = 0.0) -> dict:
     """A payment: the key is the order, whatever the task id."""
+    announce_body()
     record_effect(f"charge:{order_id}")
     time.sleep(sleep)
     return {"order": order_id, "amount": amount, "key": self.idempotency_key}

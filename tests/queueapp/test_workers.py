@@ -15,7 +15,7 @@ from broker_ext.queue import FencedQueue
 from lab.processes import wait_for
 from queueapp import enqueue_on_commit
 from queueapp.models import TaskDelivery, TaskOutcome
-from tests.helpers import body_running, is_postgres, reset_connections
+from tests.helpers import body_started, is_postgres, reset_connections
 from tests.queueapp import demo_tasks
 
 pytestmark = [
@@ -90,39 +90,59 @@ def test_a_raising_body_commits_nothing_and_is_retried_by_the_worker(effects, st
     assert wait_for(lambda: drained(queue), timeout=20)
 
 
-def test_a_stale_delivery_finishing_after_a_newer_one_commits_nothing(effects, start_worker, queue):
+@pytest.fixture
+def recorded_at_publish(settings) -> None:
+    """*queued* records written by the publish itself: every first delivery finds its row, and is held."""
+    settings.QUEUEAPP = {**getattr(settings, "QUEUEAPP", {}), "QUEUED_WRITE_DELAY": 0}
+
+
+@pytest.mark.parametrize("record_running", [False, True], ids=["held", "record-running"])
+def test_a_stale_delivery_finishing_after_a_newer_one_commits_nothing(
+    effects, start_worker, queue, recorded_at_publish, record_running
+):
     """The older delivery's body is still running when a newer one of the key runs and commits."""
-    workers = start_worker(name="one"), start_worker(name="two")
+    env = {"QUEUEAPP_RECORD_RUNNING": "1"} if record_running else {}
+    workers = start_worker(name="one", **env), start_worker(name="two", **env)
     older = demo_tasks.charge.delay(9, 100, sleep=4)
-    assert wait_for(lambda: body_running("charge:9"), timeout=30), workers[0].output()[-3000:]
+    assert wait_for(lambda: body_started("charge:9"), timeout=30), workers[0].output()[-3000:]
     newer = demo_tasks.charge.delay(9, 100)
     output = "".join(worker.output()[-2000:] for worker in workers)
     assert wait_for(lambda: settled("charge:9", 2), timeout=60), output
     assert len(effects()) == 1
     verdicts = {entry.task_id: entry.verdict for entry in log_of("charge:9")}
-    if is_postgres():
+    if not is_postgres():
+        # SQLite's single writer: the newer delivery waits for the older one, then finds it done.
+        assert verdicts == {older.id: Verdict.EXECUTED, newer.id: Verdict.SUPPRESSED_DUPLICATE}
+    elif record_running:
         # Row locks: the newer delivery claimed the key while the older body ran, committed first,
         # and the older one's conditional success update was refused, rolling its body back.
         assert verdicts == {older.id: Verdict.REFUSED_STALE, newer.id: Verdict.EXECUTED}
     else:
-        # SQLite's single writer: the newer delivery waits for the older one, then finds it done.
-        assert verdicts == {older.id: Verdict.EXECUTED, newer.id: Verdict.SUPPRESSED_DUPLICATE}
+        # Both first deliveries, both held: the newer one committed first; the older one's success
+        # found the key succeeded, rolled its body back and was logged as the duplicate it was.
+        assert verdicts == {older.id: Verdict.SUPPRESSED_DUPLICATE, newer.id: Verdict.EXECUTED}
     assert wait_for(lambda: drained(queue), timeout=20)
 
 
-def test_a_killed_worker_s_delivery_is_redelivered_and_runs_once(effects, start_worker, queue):
-    doomed = start_worker(name="doomed", lease_timeout=2)
-    # PostgreSQL shows the redelivery running at once; SQLite's held delivery shows only its verdict.
-    result = demo_tasks.effect.delay("survives", sleep=60 if is_postgres() else 3)
-    assert wait_for(lambda: body_running(result.id), timeout=30), doomed.output()[-3000:]
+@pytest.mark.parametrize("record_running", [False, True], ids=["held", "record-running"])
+def test_a_killed_worker_s_delivery_is_redelivered_and_runs_once(
+    effects, start_worker, queue, recorded_at_publish, record_running
+):
+    env = {"QUEUEAPP_RECORD_RUNNING": "1"} if record_running else {}
+    doomed = start_worker(name="doomed", lease_timeout=2, **env)
+    # With its claim committed first, PostgreSQL shows the redelivery running at once.
+    claimed_first = record_running and is_postgres()
+    result = demo_tasks.effect.delay("survives", sleep=60 if claimed_first else 3)
+    assert wait_for(lambda: body_started(result.id), timeout=30), doomed.output()[-3000:]
     doomed.process.kill()
     doomed.process.wait(10)
-    survivor = start_worker(name="survivor", lease_timeout=2)
-    if is_postgres():
+    survivor = start_worker(name="survivor", lease_timeout=2, **env)
+    if claimed_first:
         # The redelivered task sleeps 60 s too; its token already outranks the dead one's.
         assert wait_for(lambda: len(log_of(result.id)) == 2, timeout=40), survivor.output()[-3000:]
     else:
-        # The killed body's transaction died with its process: the redelivery runs it whole.
+        # The killed body's transaction died with its process, and with it (held) every trace of
+        # the delivery: the redelivery runs it whole.
         assert wait_for(lambda: settled(result.id, 1), timeout=40), survivor.output()[-3000:]
         assert [row[0] for row in effects()] == ["survives"]
     log = log_of(result.id)

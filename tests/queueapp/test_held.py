@@ -17,22 +17,22 @@ from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
 from broker_ext.records import Delivery
-from queueapp import single_writer
+from queueapp import held
 from queueapp.delivery import DeliveryInfo
 from queueapp.execution import execute
 from queueapp.models import TaskDelivery, TaskOutcome
 from tests.queueapp import demo_tasks
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
 
 Verdict = TaskDelivery.Verdict
 TASK = demo_tasks.effect
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def sqlite_only() -> None:
     if connection.vendor != "sqlite":
-        pytest.skip("the held path is SQLite's")
+        pytest.skip("SQLite's write lock")
 
 
 def fenced(token: int, *, count: int = 1) -> DeliveryInfo:
@@ -60,7 +60,10 @@ def test_a_queued_key_commits_claim_body_and_success_in_one_transaction(effects)
     sent = [query["sql"].split()[0].upper() for query in queries.captured_queries]
     # Nothing is written before the body: the check reads, the body writes, then the claim and
     # the success in one UPDATE and the log row, and one commit for all of it.
-    assert sent == ["BEGIN", "SELECT", "INSERT", "UPDATE", "INSERT", "COMMIT"]
+    if connection.vendor == "sqlite":  # The check under the write lock taken at BEGIN.
+        assert sent == ["BEGIN", "SELECT", "INSERT", "UPDATE", "INSERT", "COMMIT"]
+    else:  # The check on its own, before; the success and its log row in one statement.
+        assert sent == ["SELECT", "BEGIN", "INSERT", "WITH", "COMMIT"]
     assert effects() == [("once", 100, effects()[0][2], 0)]
     outcome = TaskOutcome.objects.get(idempotency_key="k")
     assert (outcome.status, outcome.fence_token, outcome.attempts, outcome.deliveries) == (
@@ -81,7 +84,7 @@ def test_a_queued_key_commits_claim_body_and_success_in_one_transaction(effects)
     assert row.started_at <= row.finished_at and row.lease_deadline is None
 
 
-def test_while_the_body_runs_no_other_connection_can_write_or_see_the_key_running(effects):
+def test_while_the_body_runs_no_other_connection_can_write_or_see_the_key_running(effects, sqlite_only):
     """The premise of the held path: the body's transaction holds SQLite's one write lock."""
     queued()
     seen: dict[str, object] = {}
@@ -189,7 +192,7 @@ def test_without_a_broker_token_the_delivery_takes_the_two_transaction_path(effe
     """The database's counter must be saved before the body shows it: a crash would hand it out again."""
     queued(fence_token=7)
     delivery = DeliveryInfo(task_id="t1", task_name=TASK.name, queue="celery", message_id="t1.0")
-    assert not single_writer.applies("default", delivery)
+    assert not held.applies("default", delivery)
     execute(TASK, "k", lambda: demo_tasks.record_effect("counted"), (), {}, delivery)
     assert TaskOutcome.objects.get(idempotency_key="k").fence_token == 8
     assert effects()[0][1] == 8
@@ -226,14 +229,163 @@ def test_a_body_that_changes_its_own_outcome_row_commits_nothing_and_is_refused(
     assert log() == [(Verdict.REFUSED_STALE, 100, TaskDelivery.TokenSource.BROKER)]
 
 
-def test_a_caller_s_transaction_or_deferred_transactions_take_the_two_transaction_path(effects, monkeypatch):
-    assert single_writer.applies("default", fenced(100))
+def test_a_caller_s_transaction_or_deferred_transactions_take_the_two_transaction_path(
+    effects, monkeypatch, sqlite_only
+):
+    assert held.applies("default", fenced(100))
     with transaction.atomic():
-        assert not single_writer.applies("default", fenced(100))
+        assert not held.applies("default", fenced(100))
     monkeypatch.setitem(connection.settings_dict["OPTIONS"], "transaction_mode", "DEFERRED")
-    assert not single_writer.applies("default", fenced(100))
+    assert not held.applies("default", fenced(100))
     queued()
     execute(TASK, "k", lambda: demo_tasks.record_effect("two transactions"), (), {}, fenced(100))
     (row,) = TaskDelivery.objects.all()
     # The two-transaction path's log row was written at the claim, with the lease it waited on.
     assert row.verdict == Verdict.EXECUTED and row.lease_deadline is not None
+
+
+# PostgreSQL: no write lock, so only a first delivery is held, and every check is decided again by
+# the success's UPDATE under the row lock.
+
+
+@pytest.fixture
+def postgresql_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's row locks")
+
+
+def in_another_thread(work) -> object:
+    """``work()`` on a connection of its own (another thread), closed after; its return value."""
+    returned: list[object] = []
+
+    def run() -> None:
+        try:
+            returned.append(work())
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert returned, "the other thread did not finish"
+    return returned[0]
+
+
+def status_seen_elsewhere() -> str:
+    return in_another_thread(lambda: TaskOutcome.objects.get(idempotency_key="k").status)
+
+
+def test_on_postgresql_a_first_delivery_is_held_and_others_see_its_key_queued(effects, postgresql_only):
+    queued()
+    seen: list[str] = []
+    execute(TASK, "k", lambda: seen.append(status_seen_elsewhere()), (), {}, fenced(100))
+    assert seen == ["queued"]
+    assert log() == [(Verdict.EXECUTED, 100, TaskDelivery.TokenSource.BROKER)]
+    assert TaskDelivery.objects.get().lease_deadline is None
+
+
+@pytest.mark.parametrize("record_running", [False, True])
+def test_on_postgresql_a_redelivery_or_record_running_commits_the_claim_before_the_body(
+    effects, postgresql_only, settings, record_running
+):
+    """A redelivery's claim must fence off the older delivery of its message, which may still run."""
+    settings.QUEUEAPP = {"RECORD_RUNNING": record_running}
+    queued()
+    seen: list[str] = []
+    count = 1 if record_running else 2
+    execute(TASK, "k", lambda: seen.append(status_seen_elsewhere()), (), {}, fenced(100, count=count))
+    assert seen == ["running"]
+    assert TaskDelivery.objects.get().lease_deadline is not None
+
+
+def test_on_postgresql_a_held_body_overtaken_by_its_redelivery_s_claim_commits_nothing(
+    effects, postgresql_only
+):
+    """The zombie case: the first delivery's body still runs when its redelivery claims the key.
+
+    The redelivery's claim is committed before its body, so the older
+    delivery's success finds a higher token and rolls its body back, even
+    though the redelivery has not finished yet.
+    """
+    queued()
+    claimed, release = threading.Event(), threading.Event()
+
+    def redelivery_body() -> str:
+        demo_tasks.record_effect("new")
+        claimed.set()
+        assert release.wait(30)
+        return "new"
+
+    redelivered = threading.Thread(
+        target=lambda: in_another_thread(
+            lambda: execute(TASK, "k", redelivery_body, (), {}, fenced(200, count=2))
+        )
+    )
+
+    def first_body() -> str:
+        demo_tasks.record_effect("old")
+        redelivered.start()
+        assert claimed.wait(30)
+        return "old"
+
+    assert execute(TASK, "k", first_body, (), {}, fenced(100)) is None
+    release.set()
+    redelivered.join(30)
+    assert [row[0] for row in effects()] == ["new"]
+    outcome = TaskOutcome.objects.get(idempotency_key="k")
+    assert (outcome.status, outcome.fence_token, outcome.result) == ("succeeded", 200, "new")
+    # The broker has no such delivery (this test claimed none), so the older one is refused as stale.
+    assert sorted(log()) == sorted(
+        [(Verdict.EXECUTED, 200, "broker"), (Verdict.REFUSED_STALE, 100, "broker")]
+    )
+
+
+def test_on_postgresql_a_held_body_whose_key_succeeded_meanwhile_is_rolled_back_as_a_duplicate(
+    effects, postgresql_only
+):
+    queued()
+
+    def first_body() -> str:
+        demo_tasks.record_effect("old")
+        redelivery = fenced(200, count=2)
+        in_another_thread(
+            lambda: execute(TASK, "k", lambda: demo_tasks.record_effect("new") or "new", (), {}, redelivery)
+        )
+        return "old"
+
+    # The stored result of the success is returned, as for any duplicate.
+    assert execute(TASK, "k", first_body, (), {}, fenced(100)) == "new"
+    assert [row[0] for row in effects()] == ["new"]
+    assert sorted(log()) == sorted(
+        [(Verdict.EXECUTED, 200, "broker"), (Verdict.SUPPRESSED_DUPLICATE, 100, "broker")]
+    )
+
+
+def test_on_postgresql_two_held_first_deliveries_of_one_key_make_one_effect(effects, postgresql_only):
+    """Two messages of one key, both checked before either body ends: their successes meet on the row lock."""
+    queued()
+    both_checked = threading.Barrier(2, timeout=30)
+    results: dict[str, object] = {}
+
+    def deliver(label: str, token: int) -> None:
+        def body() -> str:
+            demo_tasks.record_effect(label)
+            both_checked.wait()
+            return label
+
+        delivery = DeliveryInfo(
+            task_id=label, task_name=TASK.name, broker=Delivery("celery", label, token, 1), queue="celery",
+            message_id=label, worker=label,
+        )  # fmt: skip
+        results[label] = in_another_thread(lambda: execute(TASK, "k", body, (), {}, delivery))
+
+    threads = [threading.Thread(target=deliver, args=pair) for pair in (("a", 100), ("b", 200))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    (winner,) = [row[0] for row in effects()]
+    assert results == {"a": winner, "b": winner}  # The loser returns the winner's stored result.
+    verdicts = sorted(TaskDelivery.objects.values_list("verdict", flat=True))
+    assert verdicts == sorted([Verdict.EXECUTED, Verdict.SUPPRESSED_DUPLICATE])
+    assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
