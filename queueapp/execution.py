@@ -141,7 +141,7 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
     except DatabaseError as exc:
         return _database_unavailable(task, key, delivery, exc)
     if failure is not None:  # Out of the except clause: the body's error goes on as itself, unchained.
-        return _held_failed(task, failure, delivery, args, kwargs)
+        return _held_failed(task, failure, delivery, body, args, kwargs, cache_success=not uncached)
     if result is not held.NOT_HELD:
         return result
     try:
@@ -207,13 +207,26 @@ def _run_claimed(
             return _failed(task, claim, delivery, exc)
 
 
-def _held_failed(task, failed: BodyFailed, delivery: DeliveryInfo, args: list, kwargs: dict) -> Any:
-    """A held body (or its success) raised, nothing written: record it the two-transaction way.
+def _held_failed(
+    task,
+    failed: BodyFailed,
+    delivery: DeliveryInfo,
+    body: Callable[[], Any],
+    args: list,
+    kwargs: dict,
+    *,
+    cache_success: bool,
+) -> Any:
+    """A held body (or its success) raised, nothing written: decide by a claim made now.
 
-    The claim is made now and the failure recorded on it, as if the claim had
-    been committed before the body. If another delivery took the key in the
-    instant between the rollback and this claim, this one is suppressed or
-    outranked like any delivery that came after it.
+    The claim is made as if it had been committed before the body. A body
+    that raised has its failure recorded on it. A success the row no longer
+    allowed (:class:`DeliveryRefused`: the row changed while the body ran) is
+    decided like a delivery arriving now: suppressed or outranked like any
+    that came after the one that changed the row. If the claim is granted
+    after all (the body had changed its own row), the body runs again under
+    that committed claim: recording a refusal on the delivery's own claim
+    would leave its key *running* with its message acked.
     """
     key = failed.held.key
     try:
@@ -223,9 +236,11 @@ def _held_failed(task, failed: BodyFailed, delivery: DeliveryInfo, args: list, k
     except DatabaseError as exc:
         logger.error("could not record the failure of %s [%s]: %r", task.name, key, exc)
         return _database_unavailable(task, key, delivery, exc)
-    if isinstance(decision, ledger.Claim):
-        return _failed(task, decision, delivery, failed.error)
-    return _not_claimed(task, key, delivery, decision)
+    if not isinstance(decision, ledger.Claim):
+        return _not_claimed(task, key, delivery, decision)
+    if isinstance(failed.error, DeliveryRefused):
+        return _run_claimed(task, decision, body, delivery, cache_success=cache_success)
+    return _failed(task, decision, delivery, failed.error)
 
 
 def _failed(task, claim: ledger.Claim, delivery: DeliveryInfo, exc: Exception) -> Any:

@@ -37,12 +37,16 @@ row: the check runs before the transaction (as the connection's health
 check, so it costs no extra round trip), and another delivery may commit
 the key while the body runs, which the ``UPDATE`` then sees (it waits for
 the row lock and reads the committed row). Only the first delivery of a
-message is held. A redelivery exists because an earlier delivery of the same
-message may still run (its worker paused, its lease lost): its claim must
-be committed before its body, so that the older delivery's success finds a
-higher token and commits nothing. Two first deliveries (two messages of one
-key) both run their bodies, and the first to commit wins; the other's
-``UPDATE`` finds the key succeeded and rolls back.
+message of a task's first attempt is held. A redelivery exists because an
+earlier delivery of the same message may still run (its worker paused, its
+lease lost): its claim must be committed before its body, so that the older
+delivery's success finds a higher token and commits nothing. A Celery retry
+(``retries`` above 0) exists because an earlier attempt ran, and a
+redelivery of that attempt may still come: the retry's committed claim is
+what tells that redelivery it was superseded (the retry carries the key on).
+Two first deliveries of a first attempt (two messages of one key) both run
+their bodies, and the first to commit wins; the other's ``UPDATE`` finds the
+key succeeded and rolls back.
 
 What ops see differently: a held delivery's key is not *running* while its
 body runs (no other connection can read an uncommitted claim); it goes from
@@ -94,7 +98,7 @@ def applies(db: str, delivery: DeliveryInfo) -> bool:
     next delivery after a crash would be handed the same token again. Only on
     its own (no caller's transaction), and not with ``RECORD_RUNNING``.
     On SQLite, only with transactions that lock at ``BEGIN``; on PostgreSQL,
-    only the first delivery of its message (see the module's docstring).
+    only the first delivery of a task's first attempt (see the module's docstring).
     """
     if not delivery.fenced or conf.get("RECORD_RUNNING"):
         return False
@@ -102,7 +106,7 @@ def applies(db: str, delivery: DeliveryInfo) -> bool:
     if not connection.get_autocommit() or connection.in_atomic_block:
         return False
     if connection.vendor == "postgresql":
-        return delivery.delivery_count == 1
+        return delivery.delivery_count == 1 and delivery.retries == 0
     if connection.vendor != "sqlite":
         return False
     mode = (connection.settings_dict.get("OPTIONS") or {}).get("transaction_mode") or ""

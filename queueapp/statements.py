@@ -384,19 +384,22 @@ def _claim_conditions(connection, key: str, delivery: DeliveryInfo) -> list:
 
 
 def adapt_arguments(connection, args: list, kwargs: dict) -> tuple:
-    """The delivery's arguments as the claim binds them (JSON); ``TypeError`` now for what JSON cannot hold.
+    """The delivery's arguments as the claim binds them (JSON); ``TypeError`` or ``ValueError`` now.
 
-    PostgreSQL's adapter would serialize them only when a statement binds
-    them, which on the held path (:mod:`queueapp.held`) is after the
-    body: they are serialized here, and the adapter is handed the text.
+    What JSON cannot hold must fail before a body runs. PostgreSQL's adapter
+    would serialize only when a statement binds the values, which on the held
+    path (:mod:`queueapp.held`) is after the body: they are serialized here
+    (NaN and infinities refused, as ``jsonb`` refuses them), and the adapter
+    is handed the text.
     """
     if connection.vendor != "postgresql":
         adapt = connection.ops.adapt_json_value
         return adapt(list(args), DjangoJSONEncoder), adapt(dict(kwargs), DjangoJSONEncoder)
     from django.db.backends.postgresql.psycopg_any import Jsonb
 
-    given = (json.dumps(list(args), cls=DjangoJSONEncoder), json.dumps(dict(kwargs), cls=DjangoJSONEncoder))
-    return tuple(Jsonb(text, dumps=str) for text in given)  # str(text) is the text: already JSON.
+    values = (list(args), dict(kwargs))
+    texts = [json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False) for value in values]
+    return tuple(Jsonb(text, dumps=str) for text in texts)  # str(text) is the text: already JSON.
 
 
 def _claim_values(

@@ -7,6 +7,7 @@ worker does, against the session's SQLite file (``transaction_mode``
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import threading
 
@@ -284,18 +285,42 @@ def test_on_postgresql_a_first_delivery_is_held_and_others_see_its_key_queued(ef
     assert TaskDelivery.objects.get().lease_deadline is None
 
 
-@pytest.mark.parametrize("record_running", [False, True])
-def test_on_postgresql_a_redelivery_or_record_running_commits_the_claim_before_the_body(
-    effects, postgresql_only, settings, record_running
+@pytest.mark.parametrize("case", ["redelivery", "retry", "record running"])
+def test_on_postgresql_a_redelivery_a_retry_or_record_running_commits_the_claim_before_the_body(
+    effects, postgresql_only, settings, case
 ):
-    """A redelivery's claim must fence off the older delivery of its message, which may still run."""
-    settings.QUEUEAPP = {"RECORD_RUNNING": record_running}
+    """A redelivery's claim fences off the older delivery of its message, which may still run; a
+    retry's tells a redelivered older attempt that it was superseded."""
+    settings.QUEUEAPP = {"RECORD_RUNNING": case == "record running"}
     queued()
     seen: list[str] = []
-    count = 1 if record_running else 2
-    execute(TASK, "k", lambda: seen.append(status_seen_elsewhere()), (), {}, fenced(100, count=count))
+    delivery = fenced(100, count=2 if case == "redelivery" else 1)
+    if case == "retry":
+        delivery = dataclasses.replace(delivery, retries=1)
+    execute(TASK, "k", lambda: seen.append(status_seen_elsewhere()), (), {}, delivery)
     assert seen == ["running"]
     assert TaskDelivery.objects.get().lease_deadline is not None
+
+
+def test_on_postgresql_an_older_attempt_redelivered_while_its_retry_runs_never_runs_its_body(
+    effects, postgresql_only
+):
+    """Attempt 0 called ``self.retry()`` and its worker died before acking: while the retry runs,
+    attempt 0 is redelivered (a higher token). The retry carries the key on."""
+    queued()
+    retry = dataclasses.replace(fenced(100), retries=1, message_id="t1.1")
+    older_attempt = fenced(200, count=2)
+    ran: list[str] = []
+
+    def retry_body() -> str:
+        demo_tasks.record_effect("retry")
+        in_another_thread(lambda: execute(TASK, "k", lambda: ran.append("attempt 0"), (), {}, older_attempt))
+        return "retry"
+
+    assert execute(TASK, "k", retry_body, (), {}, retry) == "retry"
+    assert ran == [] and [row[0] for row in effects()] == ["retry"]
+    outcome = TaskOutcome.objects.get(idempotency_key="k")
+    assert (outcome.status, outcome.retries, outcome.suppressed_duplicates) == ("succeeded", 1, 1)
 
 
 def test_on_postgresql_a_held_body_overtaken_by_its_redelivery_s_claim_commits_nothing(
