@@ -22,9 +22,9 @@ dict is kept between lookups until ``setting_changed`` says it changed).
 ``RECORD_RUNNING`` (``False``)
     Every delivery commits its claim before its body runs, so the key shows
     *running* (with its lease) while the body runs: two transactions per task.
-    ``False``: a fenced first delivery claims, runs and succeeds in one
-    transaction (:mod:`queueapp.held`) and its key goes from *queued*
-    to its verdict; a redelivery always commits its claim first.
+    ``False``: a fenced delivery (on SQLite every one, on PostgreSQL the first
+    delivery of a first attempt) claims, runs and succeeds in one transaction
+    (:mod:`queueapp.held`), and its key goes from *queued* to its verdict.
 ``PREPARED_STATEMENTS`` (``True``)
     On PostgreSQL, the claim, the success and the *queued* record run as
     prepared statements (:mod:`queueapp.statements`): parsing and planning
