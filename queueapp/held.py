@@ -4,11 +4,12 @@ The two-transaction path (:mod:`queueapp.ledger`) commits the claim before
 the body, so that the key shows *running* and a newer delivery can fence
 off an older one that still runs. That costs a commit, a second write of the
 outcome row and its indexes, and a log row written twice. Where nothing
-needs the claim committed early, a delivery here, in the common case (the
-row exists and nothing stands in the way: the condition of the common claim,
+needs the claim committed early, a delivery here, in the common case
+(nothing stands in the way: the condition of the common claim,
 :func:`queueapp.statements._claim_fragments`):
 
-1. reads the row with the common claim's condition;
+1. reads the row with the common claim's condition (a key with no row yet
+   gets its *queued* row first, as its publish would have written it);
 2. runs the body in a transaction;
 3. writes the claim and the success in one ``UPDATE`` (the same condition
    again, under the row lock or the write lock) and the delivery's log row
@@ -55,8 +56,8 @@ row: the next delivery's row carries the broker's delivery count.
 ``RECORD_RUNNING`` turns the held path off.
 
 Anything else (a caller's transaction open, an unfenced delivery, SQLite's
-``DEFERRED`` transactions, a row the common claim does not match, no row
-yet) takes the two-transaction path.
+``DEFERRED`` transactions, a row the common claim does not match) takes the
+two-transaction path.
 """
 
 from __future__ import annotations
@@ -137,22 +138,23 @@ def run(
     sql = statements.held_sql(connection)
     started = timezone.now()
     check = statements.check_params(connection, key, delivery)
+    # Arguments JSON cannot hold fail here, before anything is written or run, as the claim would.
+    given = statements.adapt_arguments(connection, args, kwargs)
+    # SQLite's transaction holds the write lock from BEGIN: the check goes inside, and nothing can
+    # change the row before the commit. PostgreSQL's body takes no lock on the row: the check runs
+    # on its own, as the connection's health check (no separate SELECT 1), and the success's UPDATE
+    # decides again under the row lock.
     locked_at_begin = connection.vendor == "sqlite"
     if not locked_at_begin:
-        # Nothing to lock before the body: the check runs on its own, as the connection's health
-        # check (no separate SELECT 1), and the success's UPDATE decides again under the row lock.
-        row = statements.run_as_health_check(connection, sql.check, check)
+        row = _row_to_hold(connection, sql.check, check, key, delivery, args, kwargs, locked=False)
         if row is None:
             return NOT_HELD
     with transaction.atomic(using=db), statements.cursor(connection) as cursor:
         if locked_at_begin:
-            cursor.execute(sql.check, check)
-            row = cursor.fetchone()
+            row = _row_to_hold(connection, sql.check, check, key, delivery, args, kwargs, locked=True)
             if row is None:
                 return NOT_HELD
         outcome_id, attempts = row
-        # Arguments JSON cannot hold fail here, before the body runs, as the claim would.
-        given = statements.adapt_arguments(connection, args, kwargs)
         held = HeldClaim(key, outcome_id, delivery.token, statements.source(delivery), attempts + 1)
         # What fails from here to the log row is the delivery's failure, as in the two-transaction
         # path (a body that asked for a rollback, a statement interrupted): rolled back, recorded after.
@@ -186,6 +188,45 @@ def run(
         if cache_success:
             transaction.on_commit(lambda: cache.remember(key, stored), using=db)
     return result
+
+
+def _row_to_hold(
+    connection,
+    check_sql: str,
+    check: list,
+    key: str,
+    delivery: DeliveryInfo,
+    args: list,
+    kwargs: dict,
+    *,
+    locked: bool,
+) -> tuple[int, int] | None:
+    """The row's id and attempts if the common claim's condition holds, else ``None``.
+
+    A key with no row yet gets its *queued* row here, as the publish would have
+    written it: the publisher writes those rows in batches
+    (``QUEUED_WRITE_DELAY``), so a worker that keeps up with its queue often
+    gets a message first. Outside a transaction (``locked`` false) that
+    insert commits on its own, without waiting for its WAL flush.
+    """
+    if locked:
+        with statements.cursor(connection) as cursor:
+            cursor.execute(check_sql, check)
+            row = cursor.fetchone()
+    else:
+        row = statements.run_as_health_check(connection, check_sql, check)
+    if row is not None:
+        return row
+    queued = ledger.queued_row(
+        key,
+        delivery.task_name,
+        args=list(args),
+        kwargs=dict(kwargs),
+        queue=delivery.queue[:255],
+        task_id=delivery.task_id[:255],
+    )
+    created = statements.insert_queued(connection, queued, without_own_flush=not locked)
+    return None if created is None else (created, 0)
 
 
 @contextlib.contextmanager

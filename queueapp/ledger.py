@@ -135,24 +135,23 @@ def ensure_queued(
     what is queued, the next synchronous commit makes it durable, and if a
     database crash loses it before that, the worker's claim creates the row.
     """
-    now = timezone.now()
-    row = TaskOutcome(
-        idempotency_key=key,
-        task_name=task_name,
-        args=list(args),
-        kwargs=dict(kwargs),
-        queue=queue,
-        task_id=task_id,
-        eta=eta,
-        queued_at=now,
-        updated_at=now,
-    )
+    fields = {"args": list(args), "kwargs": dict(kwargs), "queue": queue, "task_id": task_id, "eta": eta}
+    row = queued_row(key, task_name, **fields)
     connection = connections[_db()]
     if connection.vendor == "postgresql" and _own_transaction(connection):
-        statements.insert_queued_without_own_flush(connection, row)
+        statements.insert_queued(connection, row, without_own_flush=True)
         return
     with without_own_sync(_db()):
         TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)
+
+
+def queued_row(key: str, task_name: str, **fields: Any) -> TaskOutcome:
+    """The unsaved outcome row of a key nothing has claimed yet (*queued*), stamped now.
+
+    ``fields``: any other field of the row (``args``, ``kwargs``, ``queue``, ``task_id``, ``eta``).
+    """
+    now = timezone.now()
+    return TaskOutcome(idempotency_key=key, task_name=task_name, queued_at=now, updated_at=now, **fields)
 
 
 def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:

@@ -18,7 +18,7 @@ from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
 from broker_ext.records import Delivery
-from queueapp import held
+from queueapp import current_delivery, held, ledger
 from queueapp.delivery import DeliveryInfo
 from queueapp.execution import execute
 from queueapp.models import TaskDelivery, TaskOutcome
@@ -83,6 +83,38 @@ def test_a_queued_key_commits_claim_body_and_success_in_one_transaction(effects)
         TaskDelivery.TokenSource.BROKER,
     )
     assert row.started_at <= row.finished_at and row.lease_deadline is None
+
+
+def test_a_key_with_no_row_yet_gets_its_queued_row_and_is_held(effects):
+    """The publisher's queued record may still wait in its batch when the worker gets the message."""
+    contexts: list = []
+
+    def body() -> str:
+        contexts.append(current_delivery())
+        demo_tasks.record_effect("first")
+        return "done"
+
+    with CaptureQueriesContext(connection) as queries:
+        assert execute(TASK, "k", body, ("a",), {"b": 1}, fenced(100)) == "done"
+    sent = [query["sql"].split()[0].upper() for query in queries.captured_queries]
+    if connection.vendor == "sqlite":  # The check misses, the queued row's INSERT, then as with a row.
+        assert sent == ["BEGIN", "SELECT", "INSERT", "INSERT", "UPDATE", "INSERT", "COMMIT"]
+    else:  # The queued row's insert commits on its own, without waiting for its flush.
+        assert sent == ["SELECT", "WITH", "BEGIN", "INSERT", "WITH", "COMMIT"]
+    outcome = TaskOutcome.objects.get(idempotency_key="k")
+    assert contexts[0].outcome_id == outcome.pk
+    assert (outcome.status, outcome.fence_token, outcome.attempts, outcome.deliveries) == (
+        "succeeded",
+        100,
+        1,
+        1,
+    )
+    assert (outcome.task_name, outcome.task_id, outcome.queue) == (TASK.name, "t1", "celery")
+    assert (outcome.args, outcome.kwargs) == (["a"], {"b": 1})
+    assert log() == [(Verdict.EXECUTED, 100, TaskDelivery.TokenSource.BROKER)]
+    # The publisher's record, written after, finds the key and changes nothing.
+    ledger.ensure_queued("k", TASK.name, args=["a"], kwargs={"b": 1}, queue="celery", task_id="t1")
+    assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
 
 
 def test_while_the_body_runs_no_other_connection_can_write_or_see_the_key_running(effects, sqlite_only):

@@ -90,15 +90,9 @@ def test_a_raising_body_commits_nothing_and_is_retried_by_the_worker(effects, st
     assert wait_for(lambda: drained(queue), timeout=20)
 
 
-@pytest.fixture
-def recorded_at_publish(settings) -> None:
-    """*queued* records written by the publish itself: every first delivery finds its row, and is held."""
-    settings.QUEUEAPP = {**getattr(settings, "QUEUEAPP", {}), "QUEUED_WRITE_DELAY": 0}
-
-
 @pytest.mark.parametrize("record_running", [False, True], ids=["held", "record-running"])
 def test_a_stale_delivery_finishing_after_a_newer_one_commits_nothing(
-    effects, start_worker, queue, recorded_at_publish, record_running
+    effects, start_worker, queue, record_running
 ):
     """The older delivery's body is still running when a newer one of the key runs and commits."""
     env = {"QUEUEAPP_RECORD_RUNNING": "1"} if record_running else {}
@@ -126,7 +120,7 @@ def test_a_stale_delivery_finishing_after_a_newer_one_commits_nothing(
 
 @pytest.mark.parametrize("record_running", [False, True], ids=["held", "record-running"])
 def test_a_killed_worker_s_delivery_is_redelivered_and_runs_once(
-    effects, start_worker, queue, recorded_at_publish, record_running
+    effects, start_worker, queue, record_running
 ):
     env = {"QUEUEAPP_RECORD_RUNNING": "1"} if record_running else {}
     doomed = start_worker(name="doomed", lease_timeout=2, **env)
