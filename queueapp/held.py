@@ -175,8 +175,9 @@ def run(
             )
             if sql.log_insert:
                 cursor.execute(sql.succeed, succeed)
-            else:
-                cursor.execute(sql.succeed, [*succeed, *log])
+            else:  # PostgreSQL: one statement, alone if the body sent nothing (no BEGIN, no COMMIT).
+                with ledger.alone_if_nothing_written(db):
+                    cursor.execute(sql.succeed, [*succeed, *log])
             if cursor.rowcount != 1:
                 # Another delivery changed the row since the check (PostgreSQL), or the body did.
                 raise DeliveryRefused(

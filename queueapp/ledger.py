@@ -437,7 +437,7 @@ def commit(
                 raise refusal
         result = body()
         stored = jsonable(result)
-        with _alone_if_nothing_written(db):
+        with alone_if_nothing_written(db):
             succeeded = _mark_succeeded(claim, stored, timezone.now())
         if not succeeded:
             raise _refusal(claim, *_state_of(claim)) or DeliveryRefused(
@@ -449,7 +449,7 @@ def commit(
 
 
 @contextlib.contextmanager
-def _alone_if_nothing_written(db: str) -> Iterator[None]:
+def alone_if_nothing_written(db: str) -> Iterator[None]:
     """Let the success commit on its own if the body sent nothing to the database (PostgreSQL).
 
     Django's ``atomic`` opens the transaction lazily: psycopg sends ``BEGIN``

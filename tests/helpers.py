@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 
 import kombu.pools
 import redis
@@ -48,3 +51,24 @@ def body_started(key: str) -> bool:
 def runs(record: redis.Redis) -> list[dict]:
     """The task runs ``tests.broker_ext.worker_app.record_run`` recorded, in order."""
     return [json.loads(item) for item in record.lrange("runs", 0, -1)]
+
+
+@contextlib.contextmanager
+def wire() -> Iterator[list[str]]:
+    """What the client sends PostgreSQL inside the block, one protocol message a line (libpq's trace)."""
+    from django.db import connection
+
+    connection.ensure_connection()
+    sent: list[str] = []
+    with tempfile.TemporaryFile() as trace:
+        connection.connection.pgconn.trace(trace.fileno())
+        try:
+            yield sent
+        finally:
+            connection.connection.pgconn.untrace()
+            trace.seek(0)
+            sent += [line.split("\t", 2)[2] for line in trace.read().decode().splitlines() if "\tF\t" in line]
+
+
+def frontend(sent: list[str], kind: str) -> list[str]:
+    return [message for message in sent if message.split("\t")[1].startswith(kind)]

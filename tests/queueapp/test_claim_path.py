@@ -9,10 +9,7 @@ match is still decided under the row lock. The durability argument is in
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from django.db import close_old_connections, connection, transaction
@@ -24,6 +21,7 @@ from lab.bench.querylog import classify
 from queueapp import ledger, statements
 from queueapp.delivery import DeliveryInfo
 from queueapp.models import TaskDelivery, TaskOutcome
+from tests.helpers import frontend, wire
 from tests.queueapp import demo_tasks
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
@@ -173,25 +171,6 @@ def test_a_row_recorded_without_its_arguments_gets_the_deliverys_and_others_keep
     assert TaskOutcome.objects.get(idempotency_key=bare).args == ["given"]
     assert TaskOutcome.objects.get(idempotency_key=bare).kwargs == {"k": 1}
     assert TaskOutcome.objects.get(idempotency_key=recorded).args == ["kept"]
-
-
-@contextlib.contextmanager
-def wire() -> Iterator[list[str]]:
-    """What the client sends PostgreSQL inside the block, one protocol message a line (libpq's trace)."""
-    connection.ensure_connection()
-    sent: list[str] = []
-    with tempfile.TemporaryFile() as trace:
-        connection.connection.pgconn.trace(trace.fileno())
-        try:
-            yield sent
-        finally:
-            connection.connection.pgconn.untrace()
-            trace.seek(0)
-            sent += [line.split("\t", 2)[2] for line in trace.read().decode().splitlines() if "\tF\t" in line]
-
-
-def frontend(sent: list[str], kind: str) -> list[str]:
-    return [message for message in sent if message.split("\t")[1].startswith(kind)]
 
 
 postgres_only = pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's wire protocol")

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from celery.exceptions import Reject, Retry
-from django.db import connection, transaction
+from django.db import close_old_connections, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
@@ -22,6 +22,7 @@ from queueapp import current_delivery, held, ledger
 from queueapp.delivery import DeliveryInfo
 from queueapp.execution import execute
 from queueapp.models import TaskDelivery, TaskOutcome
+from tests.helpers import frontend, wire
 from tests.queueapp import demo_tasks
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
@@ -446,3 +447,19 @@ def test_on_postgresql_two_held_first_deliveries_of_one_key_make_one_effect(effe
     verdicts = sorted(TaskDelivery.objects.values_list("verdict", flat=True))
     assert verdicts == sorted([Verdict.EXECUTED, Verdict.SUPPRESSED_DUPLICATE])
     assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
+
+
+def test_on_postgresql_a_held_body_that_sent_nothing_costs_two_round_trips_and_no_health_check(
+    effects, postgresql_only
+):
+    """The check is the connection's health check after a task boundary, and the success commits alone."""
+    assert connection.health_check_enabled
+    queued()
+    close_old_connections()  # a task boundary: the next statement would be health-checked
+    with wire() as sent:
+        assert execute(TASK, "k", lambda: "called an API", (), {}, fenced(100)) == "called an API"
+    assert not [query for query in frontend(sent, "Query") if "SELECT 1" in query], sent
+    assert not [query for query in frontend(sent, "Query") if "BEGIN" in query or "COMMIT" in query], sent
+    assert len(frontend(sent, "Execute")) == 2  # the check, the success
+    assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
+    assert log() == [(Verdict.EXECUTED, 100, TaskDelivery.TokenSource.BROKER)]
