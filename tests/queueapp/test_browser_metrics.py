@@ -78,7 +78,8 @@ def test_the_charts_page_draws_the_series_and_the_workers_page_shows_a_live_work
     from settings.celery import app
 
     write_history(queue.client)
-    worker = start_worker()
+    # Claims committed before their bodies, so the database can say which key runs on the worker.
+    worker = start_worker(QUEUEAPP_RECORD_RUNNING="1")
     # The worker's sampler thread samples as soon as the worker is ready.
     sampled = wait_for(lambda: queue.client.zcard(series.series_key()) == HISTORY + 1, timeout=30)
     assert sampled, worker.output()

@@ -34,13 +34,14 @@ def extended(queue, message_id: str) -> bool:
 def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extending(
     effects, start_worker, queue
 ):
-    doomed = start_worker(name="doomed", lease_timeout=2)
+    """With ``RECORD_RUNNING`` the killed delivery's claim is in the database, with its worker."""
+    doomed = start_worker(name="doomed", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
     result = demo_tasks.effect.delay("killed", sleep=4)
     message_id = f"{result.id}.0"
     assert wait_for(lambda: extended(queue, message_id), timeout=30), doomed.output()[-3000:]
     doomed.process.kill()
     doomed.process.wait(10)
-    survivor = start_worker(name="survivor", lease_timeout=2)
+    survivor = start_worker(name="survivor", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
     assert wait_for(lambda: succeeded(result.id), timeout=60), survivor.output()[-3000:]
     diagnosis = diagnose_outcome(app, TaskOutcome.objects.get(idempotency_key=result.id))
     (finding,) = diagnosis.findings
@@ -54,6 +55,25 @@ def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extend
     svg = str(timeline_svg(diagnosis))
     assert "no verdict: its worker stopped, lease expired after " in svg
     assert 'class="qa-extend"' in svg and 'class="qa-expired"' in svg
+
+
+def test_a_killed_held_delivery_leaves_no_record_and_its_redelivery_says_so(effects, start_worker, queue):
+    """A held first delivery writes nothing before its verdict: the broker's delivery count tells."""
+    doomed = start_worker(name="doomed", lease_timeout=2)
+    result = demo_tasks.effect.delay("killed", sleep=4)
+    assert wait_for(lambda: extended(queue, f"{result.id}.0"), timeout=30), doomed.output()[-3000:]
+    doomed.process.kill()
+    doomed.process.wait(10)
+    survivor = start_worker(name="survivor", lease_timeout=2)
+    assert wait_for(lambda: succeeded(result.id), timeout=60), survivor.output()[-3000:]
+    (finding,) = diagnose_outcome(app, TaskOutcome.objects.get(idempotency_key=result.id)).findings
+    assert finding.cause is Cause.LEASE_EXPIRED, finding.sentence
+    assert finding.sentence.startswith(
+        "delivery 1 is the broker's delivery 2 of its message; before it, broker delivery 1 left no record "
+        "in the database; its lease expired at "
+    ), finding.sentence
+    assert finding.sentence.endswith("— executed and committed: the key's one success")
+    assert len(effects()) == 1
 
 
 def test_celery_retries_by_a_worker_say_which_retry_of_how_many(effects, start_worker, queue):
