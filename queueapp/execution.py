@@ -220,7 +220,10 @@ def _held_failed(
     """A held body (or its success) raised, nothing written: decide by a claim made now.
 
     The claim is made as if it had been committed before the body. A body
-    that raised has its failure recorded on it. A success the row no longer
+    that raised has its failure recorded on it; a database that went away
+    (in the body, or with the success's outcome unknown) gives the delivery
+    back instead, as a claim now could count a success that did land as a
+    duplicate of itself. A success the row no longer
     allowed (:class:`DeliveryRefused`: the row changed while the body ran) is
     decided like a delivery arriving now: suppressed or outranked like any
     that came after the one that changed the row. If the claim is granted
@@ -229,6 +232,10 @@ def _held_failed(
     would leave its key *running* with its message acked.
     """
     key = failed.held.key
+    if isinstance(failed.error, DATABASE_GONE):
+        # The database went away in the body, or while the success ran alone (its outcome then
+        # unknown): nothing of this delivery is written, and the row decides on the next one.
+        return _database_unavailable(task, key, delivery, failed.error)
     try:
         decision = ledger.claim(
             key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)

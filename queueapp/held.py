@@ -8,8 +8,9 @@ needs the claim committed early, a delivery here, in the common case
 (nothing stands in the way: the condition of the common claim,
 :func:`queueapp.statements._claim_fragments`):
 
-1. reads the row with the common claim's condition (a key with no row yet
-   gets its *queued* row first, as its publish would have written it);
+1. reads the row with the common claim's condition (on PostgreSQL a key with
+   no row yet gets its *queued* row first, as its publish would have written
+   it);
 2. runs the body in a transaction;
 3. writes the claim and the success in one ``UPDATE`` (the same condition
    again, under the row lock or the write lock) and the delivery's log row
@@ -20,11 +21,13 @@ needs the claim committed early, a delivery here, in the common case
 The rules are the common claim's, decided again by the ``UPDATE`` that
 commits, so whatever the two-transaction path would refuse is refused here
 too: a key that succeeded or is dead, a token the database has outranked, an
-attempt a retry superseded. Nothing is written before the body, so a body
-that raises leaves nothing behind; its failure is then recorded the
-two-transaction way (:mod:`queueapp.execution`: the claim, then the
-verdict). If the ``UPDATE`` matches nothing, the body is rolled back and the
-delivery is decided by a claim made after, like any delivery that came
+attempt a retry superseded. Nothing of the claim is written before the
+body (at most the key's *queued* row), so a body that raises leaves the key
+as it found it; its failure is then recorded the two-transaction way
+(:mod:`queueapp.execution`: the claim, then the verdict), or, if the
+database went away, the delivery goes back to the broker. If the
+``UPDATE`` matches nothing, the body is rolled back and the delivery is
+decided by a claim made after, like any delivery that came
 later: suppressed if the key succeeded meanwhile, outranked if a newer token
 took it.
 
@@ -56,8 +59,8 @@ row: the next delivery's row carries the broker's delivery count.
 ``RECORD_RUNNING`` turns the held path off.
 
 Anything else (a caller's transaction open, an unfenced delivery, SQLite's
-``DEFERRED`` transactions, a row the common claim does not match) takes the
-two-transaction path.
+``DEFERRED`` transactions, a row the common claim does not match, on SQLite
+a key with no row yet) takes the two-transaction path.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.db import connections, transaction
@@ -146,12 +150,16 @@ def run(
     # decides again under the row lock.
     locked_at_begin = connection.vendor == "sqlite"
     if not locked_at_begin:
-        row = _row_to_hold(connection, sql.check, check, key, delivery, args, kwargs, locked=False)
+        row = _row_to_hold(
+            connection, sql.check, check, key, delivery, args, kwargs, locked=False, started=started
+        )
         if row is None:
             return NOT_HELD
     with transaction.atomic(using=db), statements.cursor(connection) as cursor:
         if locked_at_begin:
-            row = _row_to_hold(connection, sql.check, check, key, delivery, args, kwargs, locked=True)
+            row = _row_to_hold(
+                connection, sql.check, check, key, delivery, args, kwargs, locked=True, started=started
+            )
             if row is None:
                 return NOT_HELD
         outcome_id, attempts = row
@@ -201,14 +209,18 @@ def _row_to_hold(
     kwargs: dict,
     *,
     locked: bool,
+    started: datetime,
 ) -> tuple[int, int] | None:
     """The row's id and attempts if the common claim's condition holds, else ``None``.
 
-    A key with no row yet gets its *queued* row here, as the publish would have
-    written it: the publisher writes those rows in batches
-    (``QUEUED_WRITE_DELAY``), so a worker that keeps up with its queue often
-    gets a message first. Outside a transaction (``locked`` false) that
-    insert commits on its own, without waiting for its WAL flush.
+    On PostgreSQL (``locked`` false) a key with no row yet gets its *queued*
+    row here, as the publish would have written it, committed on its own
+    without waiting for its WAL flush: the publisher writes those rows in
+    batches (``QUEUED_WRITE_DELAY``), so a worker that keeps up with its queue
+    often gets a message first. On SQLite that insert would be in the body's
+    transaction, and a body that raises would roll back the row's id with it
+    (``AUTOINCREMENT`` hands it out again), after the body was shown it: the
+    two-transaction path creates the row there.
     """
     if locked:
         with statements.cursor(connection) as cursor:
@@ -217,7 +229,10 @@ def _row_to_hold(
     else:
         row = statements.run_as_health_check(connection, check_sql, check)
     if row is not None:
-        return row
+        outcome_id, attempts, matches = row
+        return (outcome_id, attempts) if matches else None
+    if locked:
+        return None
     queued = ledger.queued_row(
         key,
         delivery.task_name,
@@ -225,8 +240,9 @@ def _row_to_hold(
         kwargs=dict(kwargs),
         queue=delivery.queue[:255],
         task_id=delivery.task_id[:255],
+        queued_at=started,
     )
-    created = statements.insert_queued(connection, queued, without_own_flush=not locked)
+    created = statements.insert_queued(connection, queued, without_own_flush=True)
     return None if created is None else (created, 0)
 
 

@@ -151,7 +151,9 @@ def queued_row(key: str, task_name: str, **fields: Any) -> TaskOutcome:
     ``fields``: any other field of the row (``args``, ``kwargs``, ``queue``, ``task_id``, ``eta``).
     """
     now = timezone.now()
-    return TaskOutcome(idempotency_key=key, task_name=task_name, queued_at=now, updated_at=now, **fields)
+    return TaskOutcome(
+        idempotency_key=key, task_name=task_name, **{"queued_at": now, "updated_at": now, **fields}
+    )
 
 
 def _suppress(outcome: TaskOutcome, delivery: DeliveryInfo, detail: str, now: datetime) -> None:

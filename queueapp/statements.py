@@ -469,7 +469,11 @@ def _held_sql(vendor: str) -> HeldSQL:
     _, conditions = _claim_fragments(vendor, fenced=True)
     assignments, _ = _claim_fragments(vendor, fenced=True, succeeded=True)
     log_columns, log_values = _log_insert(vendor, True, Verdict.EXECUTED)
-    check = f"SELECT {o['id']}, {o['attempts']} FROM {o['table']} WHERE {conditions}"
+    # The row by its key, and whether the condition holds: no row and a row refused are two answers.
+    matches = f"CASE WHEN {conditions} THEN 1 ELSE 0 END"
+    check = (
+        f"SELECT {o['id']}, {o['attempts']}, {matches} FROM {o['table']} WHERE {o['idempotency_key']} = %s"
+    )
     succeed = f"UPDATE {o['table']} SET {assignments} WHERE {o['id']} = %s AND {conditions}"
     if vendor == "sqlite":
         log_insert = f"INSERT INTO {d['table']} ({log_columns}) VALUES (%s, %s, {log_values})"
@@ -488,8 +492,8 @@ def held_sql(connection) -> HeldSQL:
 
 
 def check_params(connection, key: str, delivery: DeliveryInfo) -> list:
-    """The values of :attr:`HeldSQL.check`: the claim's condition (nothing else is bound)."""
-    return _claim_conditions(connection, key, delivery)
+    """The values of :attr:`HeldSQL.check`: the claim's condition, then the key."""
+    return [*_claim_conditions(connection, key, delivery), key]
 
 
 def held_params(

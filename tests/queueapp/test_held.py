@@ -86,8 +86,12 @@ def test_a_queued_key_commits_claim_body_and_success_in_one_transaction(effects)
     assert row.started_at <= row.finished_at and row.lease_deadline is None
 
 
-def test_a_key_with_no_row_yet_gets_its_queued_row_and_is_held(effects):
-    """The publisher's queued record may still wait in its batch when the worker gets the message."""
+def test_a_key_with_no_row_yet_gets_its_queued_row_and_is_held_on_postgresql(effects):
+    """The publisher's queued record may still wait in its batch when the worker gets the message.
+
+    On SQLite the insert would be in the body's transaction, and a body that
+    raised would roll back an id it was shown: the two-transaction path creates the row.
+    """
     contexts: list = []
 
     def body() -> str:
@@ -98,10 +102,12 @@ def test_a_key_with_no_row_yet_gets_its_queued_row_and_is_held(effects):
     with CaptureQueriesContext(connection) as queries:
         assert execute(TASK, "k", body, ("a",), {"b": 1}, fenced(100)) == "done"
     sent = [query["sql"].split()[0].upper() for query in queries.captured_queries]
-    if connection.vendor == "sqlite":  # The check misses, the queued row's INSERT, then as with a row.
-        assert sent == ["BEGIN", "SELECT", "INSERT", "INSERT", "UPDATE", "INSERT", "COMMIT"]
+    if connection.vendor == "sqlite":  # The check misses: the two-transaction path's locked claim.
+        assert sent[:2] == ["BEGIN", "SELECT"] and len(sent) > 7, sent
+        assert TaskDelivery.objects.get().lease_deadline is not None  # claimed before the body
     else:  # The queued row's insert commits on its own, without waiting for its flush.
         assert sent == ["SELECT", "WITH", "BEGIN", "INSERT", "WITH", "COMMIT"]
+        assert TaskDelivery.objects.get().lease_deadline is None  # held
     outcome = TaskOutcome.objects.get(idempotency_key="k")
     assert contexts[0].outcome_id == outcome.pk
     assert (outcome.status, outcome.fence_token, outcome.attempts, outcome.deliveries) == (
@@ -463,3 +469,13 @@ def test_on_postgresql_a_held_body_that_sent_nothing_costs_two_round_trips_and_n
     assert len(frontend(sent, "Execute")) == 2  # the check, the success
     assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
     assert log() == [(Verdict.EXECUTED, 100, TaskDelivery.TokenSource.BROKER)]
+
+
+def test_on_postgresql_a_first_delivery_the_check_refuses_writes_no_queued_row(effects, postgresql_only):
+    """The check tells a row refused from no row: a duplicate goes to the claim without an insert."""
+    queued(status="succeeded", fence_token=50, result="paid")
+    with CaptureQueriesContext(connection) as queries:
+        assert execute(TASK, "k", lambda: "ran", (), {}, fenced(100)) == "paid"
+    inserts = [q["sql"] for q in queries.captured_queries if 'INSERT INTO "queueapp_taskoutcome"' in q["sql"]]
+    assert inserts == []
+    assert log() == [(Verdict.SUPPRESSED_DUPLICATE, 100, TaskDelivery.TokenSource.BROKER)]
