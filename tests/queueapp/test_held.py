@@ -1,8 +1,10 @@
-"""SQLite's held path: a delivery's claim, body and success in one transaction under the write lock.
+"""The held path: a delivery's claim, body and success in one transaction (:mod:`queueapp.held`).
 
 Every test runs a delivery through :func:`queueapp.execution.execute`, as a
-worker does, against the session's SQLite file (``transaction_mode``
-``IMMEDIATE``, as the settings have it), and reads what was committed.
+worker does, and reads what was committed: on SQLite (``transaction_mode``
+``IMMEDIATE``, as the settings have it, the write lock held from ``BEGIN``),
+and again on PostgreSQL, where the tests marked so race real connections
+against the row lock.
 """
 
 from __future__ import annotations
