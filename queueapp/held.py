@@ -150,16 +150,13 @@ def run(
     # decides again under the row lock.
     locked_at_begin = connection.vendor == "sqlite"
     if not locked_at_begin:
-        row = _row_to_hold(
-            connection, sql.check, check, key, delivery, args, kwargs, locked=False, started=started
-        )
+        row = _checked_or_created(connection, sql.check, check, key, delivery, args, kwargs, started)
         if row is None:
             return NOT_HELD
     with transaction.atomic(using=db), statements.cursor(connection) as cursor:
         if locked_at_begin:
-            row = _row_to_hold(
-                connection, sql.check, check, key, delivery, args, kwargs, locked=True, started=started
-            )
+            cursor.execute(sql.check, check)
+            row = _matching(cursor.fetchone())
             if row is None:
                 return NOT_HELD
         outcome_id, attempts = row
@@ -199,7 +196,15 @@ def run(
     return result
 
 
-def _row_to_hold(
+def _matching(row: tuple | None) -> tuple[int, int] | None:
+    """The checked row's id and attempts if the claim's condition holds; ``None``: no row, or refused."""
+    if row is None:
+        return None
+    outcome_id, attempts, matches = row
+    return (outcome_id, attempts) if matches else None
+
+
+def _checked_or_created(
     connection,
     check_sql: str,
     check: list,
@@ -207,32 +212,22 @@ def _row_to_hold(
     delivery: DeliveryInfo,
     args: list,
     kwargs: dict,
-    *,
-    locked: bool,
     started: datetime,
 ) -> tuple[int, int] | None:
-    """The row's id and attempts if the common claim's condition holds, else ``None``.
+    """PostgreSQL's check, on its own as the connection's health check; :func:`_matching`'s answer.
 
-    On PostgreSQL (``locked`` false) a key with no row yet gets its *queued*
-    row here, as the publish would have written it, committed on its own
-    without waiting for its WAL flush: the publisher writes those rows in
-    batches (``QUEUED_WRITE_DELAY``), so a worker that keeps up with its queue
-    often gets a message first. On SQLite that insert would be in the body's
-    transaction, and a body that raises would roll back the row's id with it
-    (``AUTOINCREMENT`` hands it out again), after the body was shown it: the
-    two-transaction path creates the row there.
+    A key with no row yet gets its *queued* row here, as the publish would
+    have written it, committed on its own without waiting for its WAL flush:
+    the publisher writes those rows in batches (``QUEUED_WRITE_DELAY``), so a
+    worker that keeps up with its queue often gets a message first. SQLite
+    does not: the insert would be in the body's transaction, and a body that
+    raises would roll back the row's id with it (``AUTOINCREMENT`` hands it
+    out again) after the body was shown it. The two-transaction path creates
+    the row there.
     """
-    if locked:
-        with statements.cursor(connection) as cursor:
-            cursor.execute(check_sql, check)
-            row = cursor.fetchone()
-    else:
-        row = statements.run_as_health_check(connection, check_sql, check)
+    row = statements.run_as_health_check(connection, check_sql, check)
     if row is not None:
-        outcome_id, attempts, matches = row
-        return (outcome_id, attempts) if matches else None
-    if locked:
-        return None
+        return _matching(row)
     queued = ledger.queued_row(
         key,
         delivery.task_name,
@@ -242,7 +237,7 @@ def _row_to_hold(
         task_id=delivery.task_id[:255],
         queued_at=started,
     )
-    created = statements.insert_queued(connection, queued, without_own_flush=True)
+    created = statements.insert_queued_without_own_flush(connection, queued)
     return None if created is None else (created, 0)
 
 

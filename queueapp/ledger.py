@@ -139,7 +139,7 @@ def ensure_queued(
     row = queued_row(key, task_name, **fields)
     connection = connections[_db()]
     if connection.vendor == "postgresql" and _own_transaction(connection):
-        statements.insert_queued(connection, row, without_own_flush=True)
+        statements.insert_queued_without_own_flush(connection, row)
         return
     with without_own_sync(_db()):
         TaskOutcome.objects.using(_db()).bulk_create([row], ignore_conflicts=True)

@@ -582,29 +582,24 @@ def mark_succeeded(connection, outcome_id: int, token: int, log_id: int, stored,
 
 
 @functools.cache
-def _queued_sql(vendor: str, columns: tuple[str, ...], without_own_flush: bool) -> str:
+def _queued_sql(vendor: str, columns: tuple[str, ...]) -> str:
     o, _ = _NAMES[vendor]
-    placeholders = ", ".join(["%s"] * len(columns))
-    values = f"SELECT {placeholders} FROM flush" if without_own_flush else f"VALUES ({placeholders})"
-    flush = (
-        "WITH flush AS (SELECT set_config('synchronous_commit', 'off', true)) " if without_own_flush else ""
-    )
     return (
-        f"{flush}INSERT INTO {o['table']} ({', '.join(columns)}) {values} "
+        "WITH flush AS (SELECT set_config('synchronous_commit', 'off', true)) "
+        f"INSERT INTO {o['table']} ({', '.join(columns)}) "
+        f"SELECT {', '.join(['%s'] * len(columns))} FROM flush "
         f"ON CONFLICT ({o['idempotency_key']}) DO NOTHING RETURNING {o['id']}"
     )
 
 
-def insert_queued(connection, row: TaskOutcome, *, without_own_flush: bool) -> int | None:
-    """``INSERT ... ON CONFLICT DO NOTHING`` of ``row``; its new primary key, ``None`` if the key had a row.
+def insert_queued_without_own_flush(connection, row: TaskOutcome) -> int | None:
+    """``INSERT ... ON CONFLICT DO NOTHING`` of ``row`` (PostgreSQL), committed asynchronously.
 
-    ``without_own_flush`` (PostgreSQL, outside any transaction): committed
-    asynchronously, in the same statement.
+    Its new primary key; ``None`` if the key had a row.
     """
     fields = [field for field in TaskOutcome._meta.concrete_fields if not field.primary_key]
     names(connection)
-    columns = tuple(connection.ops.quote_name(field.column) for field in fields)
-    sql = _queued_sql(connection.vendor, columns, without_own_flush)
+    sql = _queued_sql(connection.vendor, tuple(connection.ops.quote_name(field.column) for field in fields))
     values = [field.get_db_prep_save(getattr(row, field.attname), connection) for field in fields]
     with cursor(connection) as statement:
         statement.execute(sql, values)
