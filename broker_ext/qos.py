@@ -68,6 +68,8 @@ class FencedQoS(virtual.QoS):
         self._unsent_acks: list[Delivery] = []
         self._reject_reasons: dict[str, str] = {}
         self._kept: set[str] = set()
+        #: Deliveries a crashing worker was working on: given back charged, with the reason, not unspent.
+        self._charged_at_shutdown: dict[str, str] = {}
         #: Set when an ack is buffered: wakes the lease keeper to flush it.
         self.acks_waiting = threading.Event()
 
@@ -216,30 +218,53 @@ class FencedQoS(virtual.QoS):
         self._reject_reasons.pop(delivery_tag, None)
         super().ack(delivery_tag)
 
-    def give_back(self, deliveries: Iterable[Delivery], *, counted: bool) -> None:
+    def give_back(self, deliveries: Iterable[Delivery], *, counted: bool, reason: str = "") -> None:
         """Requeue deliveries, one call per queue: counted (a reject) or unspent (never ran)."""
         for queue, group in by_queue(deliveries).items():
-            self.channel.fenced_queue(queue).requeue(group, counted=counted)
+            self.channel.fenced_queue(queue).requeue(group, counted=counted, reason=reason)
+
+    def charge_at_shutdown(self, delivery_tags: Iterable[str] | None, reason: str) -> int:
+        """Give these deliveries back *charged* at shutdown (all held ones if ``None``); how many are held.
+
+        For a worker that crashes: what it was working on may be what crashed
+        it, and a delivery given back unspent would crash the next worker too,
+        forever. Charged, a poison message reaches ``max_deliveries`` and the
+        dead-letter set with ``reason``, as it would had the worker been killed.
+        """
+        with self._lock:
+            tags = (
+                list(self._held) if delivery_tags is None else [t for t in delivery_tags if t in self._held]
+            )
+            for tag in tags:
+                self._charged_at_shutdown[tag] = reason
+            return len(tags)
 
     def restore_unacked(self) -> list:
-        """Give back everything held, unspent (warm shutdown, channel close), but what :meth:`keep` kept."""
+        """Give back everything held (warm shutdown, channel close), but what :meth:`keep` kept.
+
+        Unspent, to the front of their queue, unless :meth:`charge_at_shutdown`
+        named them: those are charged, with their reason.
+        """
         self._flush()
         with self._lock:
-            held = [delivery for tag, delivery in self._held.items() if tag not in self._kept]
+            held = {tag: delivery for tag, delivery in self._held.items() if tag not in self._kept}
             self._held = {tag: delivery for tag, delivery in self._held.items() if tag in self._kept}
+            charged, self._charged_at_shutdown = self._charged_at_shutdown, {}
         self._delivered.clear()
-        if not held:
-            return []
-        try:
-            self.give_back(held, counted=False)
-        except Exception as exc:
-            # Nothing is lost: the leases expire and the messages are reclaimed. (Kombu would dump
-            # "unrestored" messages to a file with pickle: there are none to hand it.)
-            logger.warning(
-                "could not give back %d deliveries at shutdown (%r); they return when their leases expire",
-                len(held),
-                exc,
-            )
+        groups: dict[str, list[Delivery]] = {}
+        for tag, delivery in held.items():
+            groups.setdefault(charged.get(tag, ""), []).append(delivery)
+        for reason, group in groups.items():
+            try:
+                self.give_back(group, counted=bool(reason), reason=reason)
+            except Exception as exc:
+                # Nothing is lost: the leases expire and the messages are reclaimed. (Kombu would dump
+                # "unrestored" messages to a file with pickle: there are none to hand it.)
+                logger.warning(
+                    "could not give back %d deliveries at shutdown (%r); they return when their leases end",
+                    len(group),
+                    exc,
+                )
         return []
 
     def restore_visible(self, *args, **kwargs) -> None:

@@ -2,11 +2,19 @@
 
 Set ``worker_consumer = "broker_ext.worker:Consumer"`` (Django: ``CELERY_WORKER_CONSUMER``).
 
-Two behaviours of Celery's own consumer fight the transport's guarantees:
+Three behaviours of Celery's own consumer fight the transport's guarantees:
 
 * A message whose body cannot be decoded is *acked*, so it vanishes. Here it
   is rejected instead, which dead-letters it with the reason; unknown and
-  invalid tasks keep their reason too, rather than a generic one.
+  invalid tasks keep their reason too, rather than a generic one, and so do
+  task headers that would break the main process
+  (:mod:`broker_ext.task_headers`), checked before Celery acts on them.
+* A worker whose main process crashes gives back what it held *unspent*, as
+  at any shutdown, so a message that crashes it comes back to crash the next
+  worker, forever. Here the deliveries it was working on when the error came
+  (the message its consumer was handling, the tasks a pool process had
+  accepted or that had started) are given back *charged*: a poison message
+  reaches ``max_deliveries`` and the dead-letter set.
 * When the broker connection is lost, Celery closes the channel, which gives
   back every message the worker holds, including those of tasks still
   running: each would run a second time, concurrently. Here the running ones
@@ -27,9 +35,11 @@ import logging
 
 from celery.worker import state
 from celery.worker.consumer import Consumer as CeleryConsumer
+from vine import promise
 
 from broker_ext.consumers import set_process_name
 from broker_ext.qos import FencedQoS
+from broker_ext.task_headers import header_problem
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +47,16 @@ logger = logging.getLogger(__name__)
 def _fenced_qos(message) -> FencedQoS | None:
     qos = getattr(getattr(message, "channel", None), "qos", None)
     return qos if isinstance(qos, FencedQoS) else None
+
+
+def _work_in_progress() -> list:
+    """Requests that started: accepted by a pool process (prefork), or running (solo, threads)."""
+    started = list(state.active_requests)
+    for request in list(state.reserved_requests):
+        result = request._apply_result() if request._apply_result is not None else None
+        if result is not None and getattr(result, "accepted", lambda: False)():
+            started.append(request)
+    return started
 
 
 def _note_reason(message, reason: str) -> None:
@@ -48,9 +68,37 @@ def _note_reason(message, reason: str) -> None:
 class Consumer(CeleryConsumer):
     """Celery's consumer; bad messages are dead-lettered with a reason, running tasks survive a reconnect."""
 
+    #: Why a task message's headers would break this process (``None``: they would not).
+    header_problem = staticmethod(header_problem)
+
     def __init__(self, *args, **kwargs) -> None:
+        #: The message the task handler is busy with; left set when the handler raised.
+        self._in_hand = None
         super().__init__(*args, **kwargs)
         set_process_name(self.hostname)
+
+    def start(self) -> None:
+        try:
+            super().start()
+        except Exception as exc:  # Not WorkerShutdown / WorkerTerminate (SystemExit): a crash.
+            self._charge_work_in_progress(exc)
+            raise
+
+    def create_task_handler(self, promise=promise):
+        handle = super().create_task_handler(promise)
+
+        def on_task_received(message) -> None:
+            problem = self.header_problem(message.headers) if _fenced_qos(message) is not None else None
+            if problem is not None:
+                logger.error("task message %s dead-lettered: %s", message.delivery_tag, problem)
+                _note_reason(message, problem)
+                message.reject(requeue=False)
+                return
+            self._in_hand = message
+            handle(message)
+            self._in_hand = None  # Not on an exception: that message is then what crashed the worker.
+
+        return on_task_received
 
     def on_decode_error(self, message, exc) -> None:
         if _fenced_qos(message) is None:
@@ -80,6 +128,27 @@ class Consumer(CeleryConsumer):
     def on_connection_error_after_connected(self, exc) -> None:
         self._keep_running_tasks()
         super().on_connection_error_after_connected(exc)
+
+    def _charge_work_in_progress(self, exc: Exception) -> None:
+        """The main process is crashing: what it was working on goes back charged, not unspent.
+
+        Its work in progress is the message the task handler was busy with and
+        every task a pool process had accepted (or that had started, in the
+        solo and threads pools). Prefetched messages, and those still waiting
+        for a pool process, go back unspent. If none can be named, every held
+        delivery is charged: an innocent message charged once is better than
+        a poison one handed back unspent forever (a SIGKILLed worker's leases
+        expire charged the same way).
+        """
+        qos = getattr(getattr(self.task_consumer, "channel", None), "qos", None)
+        if not isinstance(qos, FencedQoS):
+            return
+        reason = f"worker crashed while working on it: {exc!r:.200}"
+        tags = {request.message.delivery_tag for request in _work_in_progress()}
+        if self._in_hand is not None:
+            tags.add(self._in_hand.delivery_tag)
+        charged = qos.charge_at_shutdown(tags or None, reason)
+        logger.critical("worker crashed (%r): %d deliveries it was working on go back charged", exc, charged)
 
     def _keep_running_tasks(self) -> None:
         """Before Celery closes the channel: the deliveries of running tasks must not be given back."""

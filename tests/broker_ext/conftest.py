@@ -39,12 +39,16 @@ def start_worker(redis_server, fenced_url) -> Iterator[Callable[..., CeleryWorke
         transport_options: dict | None = None,
         prefetch: int = 1,
         events: bool = False,
+        unchecked_headers: bool = False,
     ) -> CeleryWorker:
         env = {
             "TEST_BROKER_URL": broker_url or fenced_url,
             "TEST_RECORD_URL": f"redis://127.0.0.1:{redis_server.port}/0",
             "TEST_TRANSPORT_OPTIONS": json.dumps(transport_options or {}),
             "DJANGO_SETTINGS_MODULE": "",  # A plain Celery app: no Django, no queueapp signal handlers.
+            "TEST_WORKER_CONSUMER": "tests.broker_ext.worker_app:UncheckedConsumer"
+            if unchecked_headers
+            else "",
         }
         worker = CeleryWorker(
             app="tests.broker_ext.worker_app",

@@ -15,6 +15,7 @@ import redis
 from celery import Celery
 
 import broker_ext  # noqa: F401  (registers fenced://)
+from broker_ext.worker import Consumer
 
 app = Celery(
     "fenced_tests",
@@ -31,7 +32,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     task_default_queue="tests",
-    worker_consumer="broker_ext.worker:Consumer",
+    worker_consumer=os.environ.get("TEST_WORKER_CONSUMER") or "broker_ext.worker:Consumer",
 )
 
 _record = redis.Redis.from_url(os.environ.get("TEST_RECORD_URL", "redis://127.0.0.1:6379/14"))
@@ -61,3 +62,9 @@ def record_run(self, n: int, sleep: float = 0.0) -> None:
 def replaced(self, n: int) -> None:
     """Replaces itself with ``record_run(n)`` (same task id, one replacement deeper)."""
     raise self.replace(record_run.s(n))
+
+
+class UncheckedConsumer(Consumer):
+    """The fenced consumer without its header checks: poison it does not foresee reaches Celery."""
+
+    header_problem = staticmethod(lambda headers: None)
