@@ -1,6 +1,6 @@
 """The injectors of the basic fault kinds: what the lab does to a live run, each bounded, each counted.
 
-Each injector takes the run's :class:`LabContext` and the scheduled fault and
+Each injector takes the run's :class:`~lab.faultlab.context.LabContext` and the scheduled fault and
 returns what it did, in a sentence for the report; the kinds are declared in
 :mod:`~lab.faultlab.registry` and scheduled by :mod:`~lab.faultlab.injector`.
 Faults on the Redis server take turns (the context's ``redis_lock``), faults
@@ -11,77 +11,19 @@ one always emptied, also on errors and Ctrl-C.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from django.db import connections
 
 from lab.faultlab import database
-from lab.faultlab.workload import Publisher, inject_malformed, publish_burst
-
-if TYPE_CHECKING:
-    from lab.faultlab.fleet import Fleet
-    from lab.faultlab.schedule import ScheduledFault
-    from lab.faultlab.topology import Topology
-    from lab.proxy import FaultProxy
+from lab.faultlab.context import LabContext, ScheduledFault
+from lab.faultlab.workload import inject_malformed, publish_burst
 
 #: Seconds a victim task sleeps after writing its effect: the window a kill or a shutdown hits.
 VICTIM_SLEEP = 1.5
 #: Connections of the exhausted pool.
 SMALL_POOL = 2
-
-
-@dataclass
-class LabContext:
-    """What an injector may act on, and where it writes down what it did."""
-
-    run: str
-    broker: str
-    lease: float
-    socket_timeout: float
-    topology: Topology
-    fleet: Fleet
-    publisher: Publisher
-    queues: list[str]
-    broker_url: str
-    app: object
-    proxy: FaultProxy | None
-    stop: threading.Event
-    generator: random.Random
-    oversize: int
-    counts: Counter = field(default_factory=Counter)
-    log: list[dict] = field(default_factory=list)
-    errors: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    redis_lock: threading.Lock = field(default_factory=threading.Lock)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def note(self, kind: str, detail: str, *, failed: bool = False) -> None:
-        with self.lock:
-            self.log.append(
-                {"at": round(time.monotonic() - self.started_at, 1), "kind": str(kind), "detail": detail}
-            )
-            if failed:
-                self.errors += 1
-            else:
-                self.counts[str(kind)] += 1
-
-    def wait(self, predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
-        """Poll until ``predicate`` holds, ``timeout`` passes or the run stops."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.stop.is_set():
-            if predicate():
-                return True
-            self.stop.wait(interval)
-        return bool(predicate())
-
-    def shared_queue(self) -> str:
-        return self.generator.choice(self.queues)
 
 
 def _victim(context: LabContext, fault: ScheduledFault, slot_queue: str) -> tuple[str, bool]:

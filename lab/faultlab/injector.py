@@ -1,6 +1,6 @@
 """Running a fault schedule against a live run: one coordinator thread, one bounded thread per fault.
 
-:class:`FaultInjector` waits for each :class:`~lab.faultlab.schedule.ScheduledFault`'s
+:class:`FaultInjector` waits for each :class:`~lab.faultlab.context.ScheduledFault`'s
 time and runs its kind's injector (from :mod:`~lab.faultlab.registry`) in a
 thread of its own, so a slow fault (a warm shutdown waiting for its task)
 does not delay the others. What each injector did, or how it failed, is
@@ -15,9 +15,8 @@ import time
 
 from django.db import connections
 
-from lab.faultlab.faults import LabContext
+from lab.faultlab.context import LabContext, ScheduledFault
 from lab.faultlab.registry import INJECTORS
-from lab.faultlab.schedule import ScheduledFault
 
 logger = logging.getLogger(__name__)
 

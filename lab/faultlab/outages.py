@@ -30,9 +30,8 @@ from lab.faultlab.recorder import stock_task_id
 from lab.proxy import FaultProxy
 
 if TYPE_CHECKING:
-    from lab.faultlab.faults import LabContext
+    from lab.faultlab.context import LabContext, ScheduledFault
     from lab.faultlab.fleet import Slot
-    from lab.faultlab.schedule import ScheduledFault
 
 #: Seconds the worker's Redis link stays cut: longer than two hung database connects.
 CUT_SECONDS = 2 * database.HUNG_CONNECT_TIMEOUT + 4

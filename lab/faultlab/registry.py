@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from lab.faultlab import faults, outages
+from lab.faultlab.topology import CLUSTER, SENTINEL, SINGLE
 
-#: The topologies a fault can run on (``faultlab``, ``--cluster``, ``--sentinel``).
-SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
 EVERYWHERE = frozenset({SINGLE, CLUSTER, SENTINEL})
 FAILOVER = frozenset({CLUSTER, SENTINEL})
 

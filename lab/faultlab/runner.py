@@ -23,12 +23,12 @@ from django.db import connections
 from lab.errors import FaultLabError, RunInterrupted
 from lab.faultlab import database, recorder
 from lab.faultlab.checker import Verdict, check
-from lab.faultlab.faults import LabContext
+from lab.faultlab.context import LabContext, ScheduledFault
 from lab.faultlab.fleet import Fleet
 from lab.faultlab.history import History
 from lab.faultlab.injector import FaultInjector
-from lab.faultlab.registry import FaultKind
-from lab.faultlab.schedule import ScheduledFault, build_schedule
+from lab.faultlab.registry import FaultKind, kinds_on
+from lab.faultlab.schedule import build_schedule
 from lab.faultlab.topology import ClusterRedis, SentinelRedis, SingleRedis, Topology
 from lab.faultlab.workload import Publisher
 from lab.processes import database_url_for_workers
@@ -240,7 +240,9 @@ def run_broker(
             generator=random.Random(config.seed),
             oversize=config.oversize,
         )
-        injector = FaultInjector(context, [fault for fault in schedule if fault.kind in topology.kinds])
+        injector = FaultInjector(
+            context, [fault for fault in schedule if fault.kind in kinds_on(topology.place)]
+        )
         cleanup.callback(injector.join, 10)
         cleanup.callback(stop.set)  # Runs first on the way out: every fault thread ends its waits.
         injector.start()

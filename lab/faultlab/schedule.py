@@ -9,23 +9,10 @@ from run to run: the checker judges what actually happened.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from lab.errors import FaultLabError
+from lab.faultlab.context import ScheduledFault
 from lab.faultlab.registry import SINGLE_SERVER_KINDS, WORKER_KINDS, FaultKind
-
-
-@dataclass(frozen=True)
-class ScheduledFault:
-    """One fault to inject: when (seconds after the workload starts), what, and on which worker slot."""
-
-    at: float
-    kind: FaultKind
-    index: int
-    target: int = 0
-
-    def as_dict(self) -> dict:
-        return {"at": round(self.at, 2), "kind": str(self.kind), "index": self.index, "target": self.target}
 
 
 def parse_kinds(text: str, available: tuple[FaultKind, ...] = SINGLE_SERVER_KINDS) -> tuple[FaultKind, ...]:

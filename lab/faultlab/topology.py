@@ -27,7 +27,6 @@ from redis.sentinel import Sentinel
 
 from broker_ext.keys import QueueKeys
 from lab.errors import FaultLabError
-from lab.faultlab.registry import CLUSTER, SENTINEL, SINGLE, FaultKind, kinds_on
 from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
@@ -88,13 +87,18 @@ def alternates(scheme: str, addresses: list[tuple[str, int]]) -> str:
     return ";".join(f"{scheme}://{host}:{port}/0" for host, port in addresses)
 
 
+#: The places a run's Redis can be (``faultlab``, ``--cluster``, ``--sentinel``); the registry says
+#: which fault kinds run on each.
+SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
+
+
 class Topology(ABC):
     """The Redis side of one run."""
 
     #: Shown in the report.
     name = ""
-    #: Fault kinds this topology can take (each kind says where it runs, in the registry).
-    kinds: tuple[FaultKind, ...] = ()
+    #: Which place this is: ``registry.kinds_on(place)`` are the fault kinds it can take.
+    place = SINGLE
     #: Whether clients can be routed through the fault proxy.
     proxied = False
 
@@ -174,7 +178,7 @@ class SingleRedis(Topology):
     """One private ``redis-server`` with AOF (``appendfsync always``) and ``noeviction``."""
 
     name = "single Redis"
-    kinds = kinds_on(SINGLE)
+    place = SINGLE
     proxied = True
 
     def __init__(self, directory: Path) -> None:
@@ -222,7 +226,7 @@ class ClusterRedis(Topology):
     """A local Redis Cluster on loopback: 3 masters with a replica each; a master can be killed."""
 
     name = "Redis Cluster (3 masters, 3 replicas)"
-    kinds = kinds_on(CLUSTER)
+    place = CLUSTER
 
     def __init__(self) -> None:
         self.cluster = RedisCluster(masters=3, replicas=1)
@@ -320,7 +324,7 @@ class SentinelRedis(Topology):
     """
 
     name = "Redis Sentinel (master, replica, 3 sentinels)"
-    kinds = kinds_on(SENTINEL)
+    place = SENTINEL
     master_name = "faultlab"
 
     def __init__(self) -> None:

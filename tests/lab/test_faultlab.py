@@ -21,7 +21,7 @@ from broker_ext.records import OutgoingMessage
 from lab.errors import FaultLabError
 from lab.faultlab import clock
 from lab.faultlab.recorder import fenced_end, stock_end
-from lab.faultlab.registry import SINGLE_SERVER_KINDS, FaultKind
+from lab.faultlab.registry import SINGLE_SERVER_KINDS, FaultKind, kinds_on
 from lab.faultlab.schedule import build_schedule, parse_kinds
 from lab.faultlab.workload import error_name
 from lab.processes import REPO
@@ -52,7 +52,7 @@ def test_cluster_and_sentinel_topologies_exclude_each_other():
     from lab.faultlab.topology import SentinelRedis
 
     assert topology_class(LabConfig(sentinel=True)) is SentinelRedis
-    assert FaultKind.MASTER_KILL in SentinelRedis.kinds
+    assert FaultKind.MASTER_KILL in kinds_on(SentinelRedis.place)
     with pytest.raises(FaultLabError, match="exclude each other"):
         topology_class(LabConfig(cluster=True, sentinel=True))
 

@@ -25,8 +25,11 @@ def test_every_declared_kind_has_a_name_a_description_an_injector_and_a_place_to
 
 
 def test_topologies_take_the_kinds_declared_for_them_and_proxy_faults_need_one_server():
-    assert SingleRedis.kinds == kinds_on(registry.SINGLE) == registry.SINGLE_SERVER_KINDS
-    assert ClusterRedis.kinds == kinds_on(registry.CLUSTER)
-    assert SentinelRedis.kinds == kinds_on(registry.SENTINEL)
-    assert FaultKind.MASTER_KILL not in SingleRedis.kinds and FaultKind.MASTER_KILL in SentinelRedis.kinds
-    assert all(kind in SingleRedis.kinds and kind not in ClusterRedis.kinds for kind in registry.PROXY_KINDS)
+    single, cluster, sentinel = (
+        kinds_on(topology.place) for topology in (SingleRedis, ClusterRedis, SentinelRedis)
+    )
+    assert single == kinds_on(registry.SINGLE) == registry.SINGLE_SERVER_KINDS
+    assert cluster == kinds_on(registry.CLUSTER)
+    assert sentinel == kinds_on(registry.SENTINEL)
+    assert FaultKind.MASTER_KILL not in single and FaultKind.MASTER_KILL in sentinel
+    assert all(kind in single and kind not in cluster for kind in registry.PROXY_KINDS)

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from lab.errors import LabError
 from lab.faultlab import cli, database
+from lab.faultlab.registry import kinds_on
 from lab.faultlab.report import as_json, print_report
 from lab.faultlab.runner import BROKERS, LabConfig, new_run_id, topology_class
 from lab.faultlab.schedule import parse_kinds
@@ -73,7 +74,7 @@ class Command(BaseCommand):
             config = LabConfig(
                 tasks=options["tasks"],
                 workers=options["workers"],
-                kinds=parse_kinds(options["faults"], topology.kinds),
+                kinds=parse_kinds(options["faults"], kinds_on(topology.place)),
                 seconds=options["seconds"],
                 seed=options["seed"],
                 lease=options["lease"],
