@@ -91,6 +91,8 @@ def envelope_problem(payload: object) -> str | None:
             return f"{name} is not an object"
     if not isinstance(payload["properties"].get("delivery_info", {}), dict):
         return "properties.delivery_info is not an object"
+    if not isinstance(payload["properties"].get("body_encoding", ""), str | None):
+        return "properties.body_encoding is not a string"
     for name in ("content-type", "content-encoding"):
         if payload.get(name) is not None and not isinstance(payload[name], str):
             return f"{name} is not a string"

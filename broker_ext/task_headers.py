@@ -83,3 +83,27 @@ def header_problem(headers: object) -> str | None:
         if problem is not None:
             return f"header {problem}"
     return None
+
+
+def body_problem(message) -> str | None:
+    """What is wrong with a task message's body, asked only once Celery failed to take the message.
+
+    Celery decodes a protocol 2 body in the pool, not in the main process, so
+    this is not checked up front; when taking the message failed anyway, it
+    lets the dead-letter reason say the body is at fault rather than show
+    Celery's unpacking error alone.
+    """
+    try:
+        body = message.decode()
+    except Exception as exc:
+        return f"body cannot be decoded ({type(exc).__name__})"
+    if not isinstance(body, list | tuple) or len(body) != 3:
+        return f"body {body!r:.60} is not a task call [args, kwargs, embed]"
+    args, kwargs, embed = body
+    if (
+        not isinstance(args, list | tuple)
+        or not isinstance(kwargs, dict)
+        or not isinstance(embed, dict | None)
+    ):
+        return "body is not a task call [args (a list), kwargs (an object), embed (an object)]"
+    return None

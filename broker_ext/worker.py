@@ -39,7 +39,7 @@ from vine import promise
 
 from broker_ext.consumers import set_process_name
 from broker_ext.qos import FencedQoS
-from broker_ext.task_headers import header_problem
+from broker_ext.task_headers import body_problem, header_problem
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,37 @@ class Consumer(CeleryConsumer):
                 message.reject(requeue=False)
                 return
             self._in_hand = message
-            handle(message)
+            try:
+                handle(message)
+            except self._connection_errors:
+                raise
+            except Exception as exc:
+                if _fenced_qos(message) is None:
+                    raise
+                self._set_aside(message, exc)
             self._in_hand = None  # Not on an exception: that message is then what crashed the worker.
 
         return on_task_received
+
+    @property
+    def _connection_errors(self) -> tuple[type[BaseException], ...]:
+        """The broker connection's errors, without the ``KeyError`` Kombu counts among them.
+
+        Kombu 5.7 treats any ``KeyError`` as a lost connection (a stale file
+        descriptor); raised by Celery's handling of one message (a header it
+        looks up and does not find), it would make the consumer reconnect,
+        give that message back unspent and meet it again, forever.
+        """
+        return tuple(error for error in self.connection_errors if error is not KeyError)
+
+    def _set_aside(self, message, exc: Exception) -> None:
+        """Celery could not take this message: dead-letter it with the error, and go on."""
+        found = body_problem(message) if "task" in (message.headers or {}) else None
+        reason = f"the worker could not take this message: {found + ': ' if found else ''}{exc!r:.300}"
+        logger.error("task message %s dead-lettered: %s", message.delivery_tag, reason)
+        _note_reason(message, reason)
+        if not message.acknowledged:
+            message.reject(requeue=False)
 
     def on_decode_error(self, message, exc) -> None:
         if _fenced_qos(message) is None:

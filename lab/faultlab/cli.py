@@ -65,3 +65,24 @@ def run_with_progress(
             transport_logger.setLevel(level)
     (run_dir / "report.json").write_text(json.dumps(as_json(result), indent=2))
     return result
+
+
+def fuzz_with_progress(config, run_id: str, run_dir: Path):
+    """Run the message fuzzer with a progress bar on stderr; Ctrl-C stops it at its next batch."""
+    import threading
+
+    from lab.fuzz.harness import run_fuzz
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    stop = threading.Event()
+    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total or None)
+
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+        try:
+            return run_fuzz(config, run_dir, run_id, progress, stop)
+        finally:
+            signal.signal(signal.SIGINT, previous)

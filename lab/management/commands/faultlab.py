@@ -66,9 +66,21 @@ class Command(BaseCommand):
             action="store_true",
             help="run on a local Redis Sentinel group (a master, a replica, 3 sentinels)",
         )
+        parser.add_argument(
+            "--fuzz",
+            type=int,
+            metavar="N",
+            help="instead of the lab: N fuzzed messages through real solo, threads and prefork workers "
+            "(docs/fault-lab.md, the message fuzzer); --seed seeds it",
+        )
+        parser.add_argument(
+            "--fuzz-batch", type=int, default=100, help="fuzzed messages published per batch (default 100)"
+        )
         parser.add_argument("--json", action="store_true", dest="as_json", help="print the report as JSON")
 
     def handle(self, *args, **options) -> None:
+        if options["fuzz"] is not None:
+            return self.fuzz(options)
         try:
             topology = topology_class(LabConfig(cluster=options["cluster"], sentinel=options["sentinel"]))
             config = LabConfig(
@@ -105,3 +117,26 @@ class Command(BaseCommand):
             print_report(result, Console(file=self.stdout, width=160))
         if not result.ok:
             raise CommandError("the fenced run violated an invariant (see above)", returncode=1)
+
+    def fuzz(self, options) -> None:
+        from lab.fuzz.harness import FuzzConfig
+        from lab.fuzz.report import print_fuzz_report
+
+        if options["fuzz"] < 1 or options["fuzz_batch"] < 1:
+            raise CommandError("--fuzz and --fuzz-batch must be >= 1")
+        config = FuzzConfig(examples=options["fuzz"], batch=options["fuzz_batch"], seed=options["seed"])
+        run_id = f"fuzz-{new_run_id(config.seed)}"
+        run_dir = cli.run_directory(run_id)
+        if not os.environ.get("DATABASE_URL"):
+            database.use_sqlite_file(run_dir / "db.sqlite3")
+        database.migrate()
+        try:
+            result = cli.fuzz_with_progress(config, run_id, run_dir)
+        except KeyboardInterrupt:
+            raise CommandError("interrupted: every Redis and worker of the run was stopped") from None
+        if options["as_json"]:
+            self.stdout.write(json.dumps(result.as_dict(), indent=2))
+        else:
+            print_fuzz_report(result, Console(file=self.stdout, width=160))
+        if not result.verdict.ok:
+            raise CommandError("a fuzzed message broke the invariant (see above)", returncode=1)
