@@ -100,8 +100,9 @@ class CeleryWorker(ManagedProcess):
         queues: Sequence[str] = (),
         extra_args: Sequence[str] = (),
         loglevel: str = "INFO",
+        prefix: Sequence[str] = (),
     ) -> None:
-        command = [
+        command = [*prefix,
             sys.executable, "-m", "celery", "-A", app, "worker",
             "--loglevel", loglevel, "--pool", pool, "--concurrency", str(concurrency),
             "--prefetch-multiplier", str(prefetch),

@@ -82,6 +82,9 @@ class RedisServer:
     cluster: bool = False
     directory: Path | None = None
     process: subprocess.Popen | None = None
+    #: Where this process reaches the server, and what the command runs under (``ip netns exec ...``).
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -94,7 +97,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -140,7 +143,7 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
         self.process = subprocess.Popen(
-            self.arguments(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [*self.prefix, *self.arguments()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         self.wait_ready(timeout)
         return self
@@ -164,7 +167,7 @@ class RedisServer:
         raise RedisServerError(f"redis-server on port {self.port} did not answer in {timeout}s")
 
     def client(self, db: int = 0, **kwargs) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
+        return redis.Redis(host=self.host, port=self.port, db=db, **kwargs)
 
     def stop(self) -> None:
         """Stop the server by its PID (SIGCONT first, in case it is paused)."""

@@ -53,8 +53,10 @@ class Fleet:
         env: dict[str, str],
         log_dir: Path,
         prefetch: int = 4,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.queues = list(queues)
+        self.prefix = prefix  # What each worker's command runs under (the lossy network's namespace).
         self.env = {"DJANGO_SETTINGS_MODULE": WORKER_SETTINGS, **env}
         self.log_dir = log_dir
         self.prefetch = prefetch
@@ -90,6 +92,7 @@ class Fleet:
             prefetch=self.prefetch,
             queues=[slot.own_queue] if slot.own_queue_only else [*self.queues, slot.own_queue],
             extra_args=["--without-heartbeat"],
+            prefix=self.prefix,
         )
         return slot.worker
 

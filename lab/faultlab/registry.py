@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lab.faultlab import faults, outages
-from lab.faultlab.topology import CLUSTER, SENTINEL, SINGLE
+from lab.faultlab import faults, network, outages
+from lab.faultlab.topology import CLUSTER, NETEM, SENTINEL, SINGLE
 
 EVERYWHERE = frozenset({SINGLE, CLUSTER, SENTINEL})
+#: The worker faults that also run behind the lossy network (``--netem``: with and without worker kills).
+EVERYWHERE_AND_NETEM = EVERYWHERE | {NETEM}
 FAILOVER = frozenset({CLUSTER, SENTINEL})
 
 
@@ -47,7 +49,7 @@ FAULTS: tuple[Fault, ...] = (
         "SIGKILL a worker while it runs a task, then start it again",
         "publishes a task that sleeps after writing its effect to one worker's own queue, SIGKILLs that "
         "worker (and its pool) while it runs, starts it again",
-        EVERYWHERE,
+        EVERYWHERE_AND_NETEM,
         faults.kill,
         aim="worker",
     ),
@@ -63,14 +65,14 @@ FAULTS: tuple[Fault, ...] = (
         "long-task",
         "tasks that run longer than the lease on a live worker",
         "2 tasks that hold their delivery 2.5 leases before the body runs, on live workers",
-        EVERYWHERE,
+        EVERYWHERE_AND_NETEM,
         faults.long_task,
     ),
     Fault(
         "eta",
         "countdown tasks due after the lease",
         "3 tasks with a countdown of 2 leases",
-        EVERYWHERE,
+        EVERYWHERE_AND_NETEM,
         faults.eta,
     ),
     Fault(
@@ -147,7 +149,7 @@ FAULTS: tuple[Fault, ...] = (
         "a body that is not JSON, an unknown task, an oversized body",
         "writes a body that is not JSON, a task nobody registered and an oversized body straight into "
         "a queue",
-        EVERYWHERE,
+        EVERYWHERE_AND_NETEM,
         faults.malformed,
     ),
     Fault(
@@ -190,9 +192,36 @@ FAULTS: tuple[Fault, ...] = (
         f"publishes {outages.STORM_TASKS} tasks that hold 1.5 leases, then SIGKILLs a worker (and starts "
         f"it again) every lease, {outages.STORM_KILLS} times, each on the next slot no other fault is "
         "working on",
-        EVERYWHERE,
+        EVERYWHERE_AND_NETEM,
         outages.kill_storm,
         aim="worker",
+    ),
+    Fault(
+        "netem-loss",
+        "packets between workers and Redis dropped and delayed, then delayed beyond the lease",
+        "behind the lossy network: 30% of the packets between the workers and Redis dropped and the rest "
+        "delayed 40-80 ms for 1.5 leases, then every packet delayed 1.5 leases for half a lease",
+        frozenset({NETEM}),
+        network.netem_loss,
+        aim="redis",
+    ),
+    Fault(
+        "netem-partition",
+        "every packet between workers and Redis dropped for 2 leases",
+        "behind the lossy network: every packet between the workers and Redis dropped for 2 leases (TCP "
+        "retransmits and backs off; leases run out)",
+        frozenset({NETEM}),
+        network.netem_partition,
+        aim="redis",
+    ),
+    Fault(
+        "netem-dup-reorder",
+        "packets between workers and Redis duplicated and reordered",
+        "behind the lossy network: 25% of the packets duplicated and 40% sent out of order (5-35 ms "
+        "jitter) for 2 leases",
+        frozenset({NETEM}),
+        network.netem_dup_reorder,
+        aim="redis",
     ),
 )
 
@@ -218,7 +247,7 @@ def kinds_on(topology: str) -> tuple[FaultKind, ...]:
 
 SINGLE_SERVER_KINDS = kinds_on(SINGLE)
 
-_PLACES = {SINGLE: "single", CLUSTER: "`--cluster`", SENTINEL: "`--sentinel`"}
+_PLACES = {SINGLE: "single", CLUSTER: "`--cluster`", SENTINEL: "`--sentinel`", NETEM: "`--netem`"}
 
 
 def markdown_table() -> str:

@@ -29,7 +29,7 @@ from lab.faultlab.history import History
 from lab.faultlab.injector import FaultInjector
 from lab.faultlab.registry import FaultKind, kinds_on
 from lab.faultlab.schedule import build_schedule
-from lab.faultlab.topology import ClusterRedis, SentinelRedis, SingleRedis, Topology
+from lab.faultlab.topology import ClusterRedis, NetemRedis, SentinelRedis, SingleRedis, Topology
 from lab.faultlab.workload import Publisher
 from lab.processes import database_url_for_workers
 from lab.proxy import FaultProxy
@@ -88,6 +88,7 @@ class LabConfig:
     oversize: int = 64 * 1024
     cluster: bool = False
     sentinel: bool = False
+    netem: bool = False
 
 
 @dataclass
@@ -114,15 +115,19 @@ def new_run_id(seed: int) -> str:
 
 
 def topology_class(config: LabConfig) -> type[Topology]:
-    if config.cluster and config.sentinel:
-        raise FaultLabError("--cluster and --sentinel exclude each other")
+    if config.cluster + config.sentinel + config.netem > 1:
+        raise FaultLabError("--cluster, --sentinel and --netem exclude each other")
     if config.cluster:
         return ClusterRedis
+    if config.netem:
+        return NetemRedis
     return SentinelRedis if config.sentinel else SingleRedis
 
 
 def make_topology(config: LabConfig, run_dir: Path, broker: str) -> Topology:
     kind = topology_class(config)
+    if kind is NetemRedis:
+        return NetemRedis(run_dir / f"redis-{broker}", broker, index=BROKERS.index(broker))
     return SingleRedis(run_dir / f"redis-{broker}") if kind is SingleRedis else kind()
 
 
@@ -212,6 +217,7 @@ def run_broker(
                 **topology.worker_env(),
             },
             log_dir=run_dir / f"logs-{broker}",
+            prefix=topology.worker_prefix,
         )
         cleanup.callback(fleet.stop, 5)  # After an error or Ctrl-C: a short warm shutdown, then SIGKILL.
         fleet.start()

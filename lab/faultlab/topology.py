@@ -27,6 +27,7 @@ from redis.sentinel import Sentinel
 
 from broker_ext.keys import QueueKeys
 from lab.errors import FaultLabError
+from lab.netem import Impairment, LossyLink
 from lab.redis_sentinel import RedisSentinelGroup
 from lab.redis_servers import RedisCluster, RedisServer
 
@@ -89,7 +90,7 @@ def alternates(scheme: str, addresses: list[tuple[str, int]]) -> str:
 
 #: The places a run's Redis can be (``faultlab``, ``--cluster``, ``--sentinel``); the registry says
 #: which fault kinds run on each.
-SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
+SINGLE, CLUSTER, SENTINEL, NETEM = "single", "cluster", "sentinel", "netem"
 
 
 class Topology(ABC):
@@ -101,6 +102,8 @@ class Topology(ABC):
     place = SINGLE
     #: Whether clients can be routed through the fault proxy.
     proxied = False
+    #: What each worker's command runs under (the lossy network's namespace), if anything.
+    worker_prefix: tuple[str, ...] = ()
 
     @abstractmethod
     def start(self) -> None: ...
@@ -374,3 +377,60 @@ class SentinelRedis(Topology):
             f"master 127.0.0.1:{old.port} killed; the sentinels promoted 127.0.0.1:{new.port}; "
             "the old master rejoined as its replica"
         )
+
+
+class NetemRedis(Topology):
+    """One ``redis-server`` in a network namespace, the workers in another, a lossy network between.
+
+    The workers reach Redis through :class:`~lab.netem.LossyLink`'s forwarder,
+    where the ``netem-*`` faults drop, delay, duplicate and reorder packets;
+    the lab publishes and observes over an unimpaired link of its own.
+    """
+
+    name = "single Redis behind a lossy network (network namespaces)"
+    place = NETEM
+
+    def __init__(self, directory: Path, broker: str, index: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.scheme = "fenced" if broker == "fenced" else "redis"
+        self.link = LossyLink(index=index)
+        self.directory = directory
+        self.server: RedisServer | None = None
+
+    def start(self) -> None:
+        self.link.start()
+        self.worker_prefix = tuple(self.link.command([]))
+        self.server = RedisServer(
+            appendonly=True,
+            directory=self.directory,
+            host=self.link.redis_lab_address,
+            prefix=("ip", "netns", "exec", self.link.redis_ns),
+            config={
+                "maxmemory-policy": "noeviction",
+                "protected-mode": "no",
+                "bind": f"{self.link.redis_address} {self.link.redis_lab_address}",
+            },
+        )
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.link.stop()
+
+    def endpoint(self) -> tuple[str, int]:
+        return (self.link.redis_lab_address, self.server.port)
+
+    def client(self) -> redis.Redis:
+        return self.server.client(socket_timeout=10)
+
+    def queues(self, count: int) -> list[str]:
+        return [f"faultlab.q{index}" for index in range(count)]
+
+    def worker_env(self) -> dict[str, str]:
+        """The workers' URLs go through the lossy network (the lab's own go over its clean link)."""
+        address = f"{self.link.redis_address}:{self.server.port}"
+        return {"BROKER_URL": f"{self.scheme}://{address}/0", "REDIS_URL": f"redis://{address}/1"}
+
+    def impair(self, impairment: Impairment) -> None:
+        self.link.impair(impairment)

@@ -193,3 +193,39 @@ def test_a_fault_lab_run_on_sentinel_follows_master_kills_and_fenced_loses_and_d
     fenced = report["fenced"]
     assert fenced["ok"] and fenced["lost"] == 0 and fenced["double_effects"] == 0, fenced["violations"]
     assert fenced["effects"] == fenced["tasks"] - fenced["dead_lettered"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_behind_a_real_lossy_network_fenced_loses_nothing_and_doubles_nothing(tmp_path):
+    """Network namespaces and a packet forwarder: packets dropped, delayed past the lease, partitioned,
+    duplicated and reordered between the workers and Redis, with a worker SIGKILLed too (issue 23)."""
+    from lab.netem import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the lossy network cannot be made here: {reason}")
+    env = {**os.environ, "QUEUEAPP_VAR_DIR": str(tmp_path)}
+    env.pop("DATABASE_URL", None)  # The workers' namespace reaches no PostgreSQL: the run's own SQLite file.
+    kinds = "netem-loss,netem-partition,netem-dup-reorder,kill"
+    command = [
+        sys.executable,
+        "manage.py",
+        "faultlab",
+        "--json",
+        "--netem",
+        "--tasks",
+        "60",
+        "--seconds",
+        "14",
+    ]
+    command += ["--lease", "2", "--faults", kinds, "--per-kind", "1", "--seed", "23", "--workers", "2"]
+    stdout, stderr, returncode = run_command(command, env, timeout=240)
+    assert returncode == 0, stderr[-3000:] + stdout[-3000:]
+    report = json.loads(stdout)
+    assert report["faults"] == dict.fromkeys(kinds.split(","), 1), report["fault_log"]
+    assert report["ok"] and report["lost"] == 0 and report["double_effects"] == 0, report["violations"]
+    assert report["settlement"] == "settled"
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    lab_pids = {name.split("-")[1] for name in left if name.startswith("flab-")}
+    assert all(os.path.exists(f"/proc/{pid}") for pid in lab_pids), left  # The run removed its namespaces.

@@ -19,7 +19,7 @@ def test_every_declared_kind_has_a_name_a_description_an_injector_and_a_place_to
     assert [str(kind) for kind in FaultKind] == [fault.name for fault in FAULTS]
     for fault in FAULTS:
         assert fault.description and fault.details and callable(fault.injector), fault.name
-        assert fault.runs_on and fault.runs_on <= registry.EVERYWHERE, fault.name
+        assert fault.runs_on and fault.runs_on <= registry.EVERYWHERE_AND_NETEM, fault.name
         assert fault.aim in ("worker", "redis", "run"), fault.name
     assert set(registry.INJECTORS) == set(registry.DESCRIPTIONS) == set(FaultKind)
 

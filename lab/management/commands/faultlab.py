@@ -67,6 +67,12 @@ class Command(BaseCommand):
             help="run on a local Redis Sentinel group (a master, a replica, 3 sentinels)",
         )
         parser.add_argument(
+            "--netem",
+            action="store_true",
+            help="workers reach Redis through a lossy network (network namespaces, a packet forwarder); "
+            "needs root",
+        )
+        parser.add_argument(
             "--fuzz",
             type=int,
             metavar="N",
@@ -81,8 +87,15 @@ class Command(BaseCommand):
     def handle(self, *args, **options) -> None:
         if options["fuzz"] is not None:
             return self.fuzz(options)
+        if options["netem"]:
+            self.check_netem()
         try:
-            topology = topology_class(LabConfig(cluster=options["cluster"], sentinel=options["sentinel"]))
+            places = {
+                "cluster": options["cluster"],
+                "sentinel": options["sentinel"],
+                "netem": options["netem"],
+            }
+            topology = topology_class(LabConfig(**places))
             config = LabConfig(
                 tasks=options["tasks"],
                 workers=options["workers"],
@@ -92,8 +105,7 @@ class Command(BaseCommand):
                 lease=options["lease"],
                 per_kind=options["per_kind"],
                 settle_timeout=options["settle_timeout"],
-                cluster=options["cluster"],
-                sentinel=options["sentinel"],
+                **places,
             )
         except LabError as exc:
             raise CommandError(str(exc)) from None
@@ -117,6 +129,14 @@ class Command(BaseCommand):
             print_report(result, Console(file=self.stdout, width=160))
         if not result.ok:
             raise CommandError("the fenced run violated an invariant (see above)", returncode=1)
+
+    @staticmethod
+    def check_netem() -> None:
+        from lab.netem import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            raise CommandError(f"--netem is not available on this machine: {reason}")
 
     def fuzz(self, options) -> None:
         from lab.fuzz.harness import FuzzConfig
