@@ -87,6 +87,7 @@ class RedisServer:
     prefix: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._chose_port = not self.port
         if not self.port:
             self.port = free_port(with_cluster_bus=self.cluster)
         if self.directory is None:
@@ -141,14 +142,29 @@ class RedisServer:
         return args
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start the server and wait until it answers PING."""
-        self.process = subprocess.Popen(
-            [*self.prefix, *self.arguments()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        self.wait_ready(timeout)
+        """Start the server and wait until it answers PING, as the process this object started.
+
+        A free port is only free when it is looked at: another process (another
+        test run on the same machine) can bind it before this server does. The
+        server then exits, and another server answers on its port; so ready
+        means a PONG from this process's PID, and a port taken meanwhile is
+        replaced by another free one (a port chosen here, a few times).
+        """
+        for attempt in range(5):
+            self.process = subprocess.Popen(
+                [*self.prefix, *self.arguments()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                self.wait_ready(timeout)
+                return self
+            except RedisServerError:
+                if self.process.poll() is None or not self._chose_port or attempt == 4:
+                    raise
+                self.port = free_port(with_cluster_bus=self.cluster)  # Taken meanwhile: another one.
         return self
 
     def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until this object's own process answers PING (not another server on its port)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -157,7 +173,8 @@ class RedisServer:
                     f"{self.process.returncode}; see {self.directory / 'redis.log'}"
                 )
             try:
-                if self.client(socket_timeout=0.5).ping():
+                client = self.client(socket_timeout=0.5)
+                if client.ping() and int(client.info("server")["process_id"]) == self.process.pid:
                     return
             except redis.exceptions.BusyLoadingError:
                 pass
@@ -193,7 +210,11 @@ class RedisServer:
     def restart(self, timeout: float = 20.0) -> None:
         """Kill and start again on the same port and directory (AOF, if on, is replayed)."""
         self.kill()
-        self.start(timeout)
+        chose, self._chose_port = self._chose_port, False  # Its clients know this port: it must stay.
+        try:
+            self.start(timeout)
+        finally:
+            self._chose_port = chose
 
     def pause(self) -> None:
         """SIGSTOP: the server keeps its sockets but answers nothing."""

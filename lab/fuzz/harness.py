@@ -305,14 +305,12 @@ class FuzzRig:
 
     def run_batch(self, batch: list[Example]) -> list[Observation]:
         """Publish ``batch``, wait until the workers drained it (bounded), and observe every example."""
-        published: dict[int, str] = {}
-        taken: set[int] = set()
-        for example in batch:
-            published[example.index] = _publish(self.channel, self.queue, example)
-            if example.message_id in self.stored_ids:
-                taken.add(example.index)
-            elif published[example.index] == "accepted":
-                self.stored_ids.add(example.message_id)
+        published = {example.index: _publish(self.channel, self.queue, example) for example in batch}
+        self.stored_ids |= {e.message_id for e in batch if published[e.index] == "accepted"}
+        # A message id another example stored: what Redis holds under it is that example's.
+        taken = {
+            e.index for e in batch if published[e.index] != "accepted" and e.message_id in self.stored_ids
+        }
         self.batches += 1
         if not _settle(self.queue, self.workers, self.config.settle_timeout, self.stop):
             self.violations.append(f"batch {self.batches} did not settle: {self.queue.stats().as_dict()}")
