@@ -157,13 +157,27 @@ def register(client) -> Scripts:
 
 @dataclass(frozen=True)
 class ScriptCall:
-    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply."""
+    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply.
+
+    Every argument is text, bytes or an ``int``, checked here, where every call
+    is built: redis-py would send a float as ``"-0.0"`` or ``"1e+16"`` and a
+    script would have to guess what was meant. Scripts take only canonical
+    integers too (``lua/include/arg_int.lua``).
+    """
 
     queue: str
     script: Script
     keys: list[str]
     args: list
     decode: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        for position, value in enumerate(self.args, start=1):
+            if not isinstance(value, str | bytes | int) or isinstance(value, bool):
+                raise ScriptRefused(
+                    f"queue {self.queue!r}: FENCED BADARG ARGV[{position}] must be an int or text, "
+                    f"not {value!r} ({type(value).__name__}); nothing sent"
+                )
 
 
 def command_of(call: ScriptCall) -> tuple:

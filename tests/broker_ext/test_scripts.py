@@ -467,9 +467,28 @@ def test_every_delivery_given_back_is_logged_with_its_reason_and_a_resent_requeu
 
 def test_a_priority_must_be_a_whole_number(queue, redis_client):
     before = snapshot(redis_client)
-    with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
+    with pytest.raises(ScriptRefused, match=r"BADARG ARGV\[5\] must be an int or text, not 5\.5"):
         queue.publish([message("a", priority=5.5)])
+    with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
+        _call(queue, "publish", [64, 0, "a", "{}", "5.5", 0, 0], dedup=[queue.keys.dedup("")])
     assert snapshot(redis_client) == before
+
+
+@pytest.mark.parametrize("priority", [-0.0, "-0", 0.0, True])
+def test_a_negative_zero_or_float_priority_is_refused_not_stored_as_a_state_nobody_parses(
+    queue, redis_client, priority
+):
+    """A priority of -0.0 or "-0" once passed and was stored as "-0"; the next claim then dead-lettered it."""
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="BADARG"):
+        if isinstance(priority, str):
+            _call(queue, "publish", [64, 0, "a", "{}", priority, 0, 0], dedup=[queue.keys.dedup("")])
+        else:
+            queue.publish([message("a", priority=priority)])
+    assert snapshot(redis_client) == before
+    assert queue.publish([message("a", priority=0)]) == [Reply.OK]
+    (claimed,) = queue.claim()
+    assert claimed.delivery.message_id == "a" and queue.dead_letters() == []
 
 
 @pytest.mark.parametrize(
@@ -549,7 +568,25 @@ def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_noth
 
 # -- arguments, includes and key roles ------------------------------------------------------
 
-NOT_NUMBERS = ["nan", "inf", "-inf", "1e400", "1.5", "", "x"]
+#: Texts Lua's tonumber() reads as a number but that are no canonical integer ("-0" was stored as "-0",
+#: which no reader parses), and texts that are no number at all.
+NOT_NUMBERS = [
+    "nan",
+    "inf",
+    "-inf",
+    "1e400",
+    "1.5",
+    "",
+    "x",
+    "-0",
+    "-0.0",
+    "5.0",
+    "05",
+    "+5",
+    " 5",
+    "1e2",
+    "0x10",
+]
 
 
 def _call(queue, script: str, args: list, **per_call):
