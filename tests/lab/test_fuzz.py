@@ -6,7 +6,8 @@ a reason that names what was wrong, or still visible in Redis (see
 private Redis and long-lived solo, threads and prefork workers on the test
 database, as ``manage.py faultlab --fuzz`` runs them. Each example the fuzzer
 found breaking the rule is a named test below; those whose fix lives on
-another branch are strict ``xfail`` until it is merged (issue 23).
+the ``commit-rule`` branch are strict ``xfail`` until it is merged (issue 23,
+points 1, 2, 5; point 4 came with ``scale-cost``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EXAMPLES, BATCH, SEED = 300, 100, 23
 
 COMMIT_RULE = "open until the commit-rule branch is merged (issue 23, points 1, 2, 5)"
-SCALE_COST = "open until the scale-cost branch is merged (issue 23, point 4)"
 
 
 def observed(**fields) -> Observation:
@@ -100,7 +100,7 @@ def one(rig: FuzzRig, *mutations: Mutation, raw_priority: object = None):
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(strict=True, reason=f"{COMMIT_RULE}; {SCALE_COST}")
+@pytest.mark.xfail(strict=True, reason=COMMIT_RULE)
 def test_a_bounded_fuzz_run_through_real_workers_keeps_every_message_in_its_place(rig):
     observations = []
     specs = draw_specs(EXAMPLES, SEED)
@@ -176,7 +176,6 @@ def test_a_refused_id_is_dead_lettered_with_the_decorator_s_reason(rig, task_id)
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(strict=True, reason=SCALE_COST)
 @pytest.mark.parametrize("priority", ["-0", -0.0])
 def test_a_priority_of_minus_zero_is_refused_or_stored_as_zero(rig, priority):
     """Issue 23, point 4: ``-0`` passed arg_int.lua, and the next claim dead-lettered a "corrupt state"."""
