@@ -70,6 +70,8 @@ class FencedQoS(virtual.QoS):
         self._kept: set[str] = set()
         #: Deliveries a crashing worker was working on: given back charged, with the reason, not unspent.
         self._charged_at_shutdown: dict[str, str] = {}
+        #: Deliveries whose coming ack is to set them aside instead (a task revoked or expired unrun).
+        self._set_aside_instead: set[str] = set()
         #: Set when an ack is buffered: wakes the lease keeper to flush it.
         self.acks_waiting = threading.Event()
 
@@ -133,6 +135,11 @@ class FencedQoS(virtual.QoS):
     # -- acks -------------------------------------------------------------------------------
 
     def ack(self, delivery_tag) -> None:
+        with self._lock:
+            aside = delivery_tag in self._set_aside_instead
+            self._set_aside_instead.discard(delivery_tag)
+        if aside:
+            return self.reject(delivery_tag, requeue=False)
         delivery = self._release(delivery_tag)
         try:
             if delivery is not None:
@@ -211,6 +218,13 @@ class FencedQoS(virtual.QoS):
         """Say why the coming reject of ``delivery_tag`` happens (kept as its dead-letter reason)."""
         with self._lock:
             self._reject_reasons[delivery_tag] = reason
+
+    def dead_letter_instead_of_ack(self, delivery_tag, reason: str) -> None:
+        """The coming ack of ``delivery_tag`` dead-letters it with ``reason`` (a task that never ran)."""
+        with self._lock:
+            if delivery_tag in self._held:
+                self._reject_reasons[delivery_tag] = reason
+                self._set_aside_instead.add(delivery_tag)
 
     def discard(self, delivery_tag) -> None:
         """Forget a delivery the consumer could not take (the caller dead-letters it); frees its slot."""

@@ -15,6 +15,10 @@ Three behaviours of Celery's own consumer fight the transport's guarantees:
   (the message its consumer was handling, the tasks a pool process had
   accepted or that had started) are given back *charged*: a poison message
   reaches ``max_deliveries`` and the dead-letter set.
+* A task revoked before it ran, or whose ``expires`` passed first, is
+  *acked* by Celery: gone, with no verdict an ``@exactly_once`` key could
+  record. Here it is dead-lettered instead, with the reason (``expired``,
+  ``revoked``), visible and revivable.
 * When the broker connection is lost, Celery closes the channel, which gives
   back every message the worker holds, including those of tasks still
   running: each would run a second time, concurrently. Here the running ones
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import logging
 
+from celery.signals import task_revoked
 from celery.worker import state
 from celery.worker.consumer import Consumer as CeleryConsumer
 from vine import promise
@@ -76,6 +81,24 @@ class Consumer(CeleryConsumer):
         self._in_hand = None
         super().__init__(*args, **kwargs)
         set_process_name(self.hostname)
+        task_revoked.connect(self._on_task_revoked, weak=False, dispatch_uid=f"broker_ext.worker:{id(self)}")
+
+    def _on_task_revoked(self, sender=None, request=None, terminated=False, expired=False, **_) -> None:
+        """Celery revoked a task that never ran and is about to ack it: dead-letter it instead.
+
+        Celery sends the signal after it scheduled the ack on the event loop
+        (``call_soon``), so the ack that follows finds the note.
+        """
+        qos = getattr(getattr(self.task_consumer, "channel", None), "qos", None)
+        tag = (getattr(request, "properties", None) or {}).get("delivery_tag")
+        if terminated or not isinstance(qos, FencedQoS) or tag is None:
+            return
+        if expired:
+            reason = f"expired: its expires ({getattr(request, 'expires', None)}) passed before it ran"
+        else:
+            reason = "revoked before it ran (celery revoke)"
+        logger.warning("task message %s dead-lettered: %s", tag, reason)
+        qos.dead_letter_instead_of_ack(tag, reason)
 
     def start(self) -> None:
         try:

@@ -181,3 +181,12 @@ def test_a_priority_of_minus_zero_is_refused_or_stored_as_zero(rig, priority):
     """Issue 23, point 4: ``-0`` passed arg_int.lua, and the next claim dead-lettered a "corrupt state"."""
     observation, fate = one(rig, raw_priority=priority)
     assert fate.violation == "", (fate, observation)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("expires", ["2020-01-01T00:00:00+00:00", "2020-01-01T00:00:00"])
+def test_a_message_that_expired_before_it_ran_is_dead_lettered_not_acked(rig, expires):
+    """Found by the fuzzer: Celery acked an expired task as revoked, no verdict and no trace left."""
+    observation, fate = one(rig, Mutation("header", "expires", expires))
+    assert fate.violation == "" and observation.place == "dead", (fate, observation)
+    assert observation.reason.startswith("expired: its expires"), observation.reason
