@@ -1,12 +1,13 @@
 """A real lossy network between the workers and Redis: two network namespaces and a packet forwarder.
 
 The fault lab's ``--netem`` topology runs Redis in one namespace and the
-workers in another; every IP packet between them goes through a TUN device on
-each side and :func:`forward` in between, a small user-space forwarder (this
-kernel has no ``sch_netem``) that drops, delays, duplicates and reorders
-packets as told, so that both kernels' TCP stacks retransmit and back off for
-real. The lab itself reaches Redis over a veth pair of its own, unimpaired, to
-publish and to observe.
+workers in another. Where the kernel has ``sch_netem``, a veth pair joins them
+and ``tc qdisc ... netem`` impairs it; where it has not (the development VM),
+every IP packet between them goes through a TUN device on each side and
+:func:`forward` in between, a small user-space forwarder that drops, delays,
+duplicates and reorders packets as told. Either way both kernels' TCP stacks
+retransmit and back off for real. The lab itself reaches Redis over a veth
+pair of its own, unimpaired, to publish and to observe.
 
 Addresses are in 198.18.0.0/15 (set aside for network testing) and live only
 in the namespaces made here. Everything is bounded: the forwarder exits after
@@ -74,6 +75,32 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def kernel_netem() -> bool:
+    """Whether this kernel has ``sch_netem`` (tried in a namespace of its own, then removed)."""
+    probe = f"{PREFIX}-tc-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return False
+    try:
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            probe,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "netem",
+            "delay",
+            "1ms",
+        ]
+        return shutil.which("tc") is not None and subprocess.run(command, capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+
+
 def _ip(*args: str) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True)
     if result.returncode != 0:
@@ -99,7 +126,9 @@ def remove_stale_namespaces() -> list[str]:
 class LossyLink:
     """Namespaces ``<name>-w`` (workers), ``<name>-r`` (Redis), the forwarder between, a veth to the lab."""
 
-    def __init__(self, *, index: int = 0, lifetime: float = 900.0, seed: int = 0) -> None:
+    def __init__(
+        self, *, index: int = 0, lifetime: float = 900.0, seed: int = 0, mode: str | None = None
+    ) -> None:
         self.name = f"{PREFIX}-{os.getpid()}-{index}"
         self.workers_ns, self.redis_ns = f"{self.name}-w", f"{self.name}-r"
         # A /30 of its own per process and link, so that runs side by side do not share a route.
@@ -111,6 +140,9 @@ class LossyLink:
         self.seed = seed
         self.forwarder: subprocess.Popen | None = None
         self.current = Impairment()
+        #: ``tc`` (the kernel's netem on a veth pair) or ``tun`` (the user-space forwarder); ``None``: the
+        #: first where the kernel has netem (``LAB_NETEM_MODE`` chooses for the fault lab).
+        self.mode = mode or os.environ.get("LAB_NETEM_MODE") or None
         #: The lab's end of its clean link to Redis (the other end is ``lab0`` in the Redis namespace).
         self.veth = f"fl{os.getpid()}x{index}"
 
@@ -123,6 +155,7 @@ class LossyLink:
             for ns in (self.workers_ns, self.redis_ns):
                 _ip("netns", "add", ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
+            self.mode = self.mode or ("tc" if kernel_netem() else "tun")
             self.forwarder = subprocess.Popen(
                 [sys.executable, "-m", "lab.netem", json.dumps(self._arguments())],
                 stdin=subprocess.PIPE,
@@ -132,6 +165,9 @@ class LossyLink:
             )
             if self.forwarder.stdout.readline().strip() != "ready":
                 raise NetemUnavailable("the packet forwarder did not start")
+            if self.mode == "tc":
+                _ip("-n", self.workers_ns, "link", "add", "tun0", "type", "veth", "peer", "name", "tun0",
+                    "netns", self.redis_ns)  # fmt: skip
             for ns, mine, peer in (
                 (self.workers_ns, self.worker_address, self.redis_address),
                 (self.redis_ns, self.redis_address, self.worker_address),
@@ -152,6 +188,7 @@ class LossyLink:
     def _arguments(self) -> dict:
         return {
             "namespaces": [self.workers_ns, self.redis_ns],
+            "tun": self.mode == "tun",
             "lifetime": self.lifetime,
             "seed": self.seed,
             "parent": os.getpid(),
@@ -160,7 +197,11 @@ class LossyLink:
     def impair(self, impairment: Impairment) -> None:
         """Apply ``impairment`` to every packet from now on, both ways (``Impairment()``: a clean link)."""
         self.current = impairment
-        if self.forwarder is not None and self.forwarder.poll() is None:
+        if self.mode == "tc":
+            for ns in (self.workers_ns, self.redis_ns):
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "tun0", "root",
+                                "netem", *_netem_arguments(impairment)], capture_output=True)  # fmt: skip
+        elif self.forwarder is not None and self.forwarder.poll() is None:
             self.forwarder.stdin.write(json.dumps(asdict(impairment)) + "\n")
             self.forwarder.stdin.flush()
 
@@ -180,6 +221,22 @@ class LossyLink:
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
         for ns in (self.workers_ns, self.redis_ns):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _netem_arguments(impairment: Impairment) -> list[str]:
+    """The same impairment as ``tc netem`` arguments (reordering needs a delay to reorder against)."""
+    delay = max(impairment.delay_ms, 1.0 if impairment.reorder else 0.0)
+    arguments = [
+        "delay",
+        f"{delay:g}ms",
+        f"{impairment.jitter_ms:g}ms",
+        "loss",
+        f"{impairment.loss * 100:g}%",
+    ]
+    arguments += ["duplicate", f"{impairment.duplicate * 100:g}%"]
+    if impairment.reorder:
+        arguments += ["reorder", f"{impairment.reorder * 100:g}%"]
+    return arguments
 
 
 # -- the forwarder process (``python -m lab.netem '<json>'``) ------------------------------------------------
@@ -234,10 +291,14 @@ class _Queue:
                 os.write(target, packet)
 
 
-def forward(namespaces: list[str], lifetime: float, seed: int, parent: int) -> None:
-    """Carry packets between the two TUN devices under the impairment last read from stdin; bounded."""
-    fds = [_open_tun(ns) for ns in namespaces]
-    other = {fds[0]: fds[1], fds[1]: fds[0]}
+def forward(namespaces: list[str], tun: bool, lifetime: float, seed: int, parent: int) -> None:
+    """Carry packets between the two TUN devices under the impairment last read from stdin; bounded.
+
+    Without ``tun`` (the kernel's netem does the work) it only watches. Either
+    way it deletes the namespaces if the lab process goes away first.
+    """
+    fds = [_open_tun(ns) for ns in namespaces] if tun else []
+    other = dict(zip(fds, reversed(fds), strict=True))
     queue = _Queue(seed)
     print("ready", flush=True)
     deadline = time.monotonic() + lifetime
