@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC
+
+from celery.utils.time import maybe_iso8601
 
 #: Longest ``task`` name accepted (Celery's own names are dotted paths; a huge one is not a task).
 MAX_TASK_NAME = 1000
@@ -55,10 +57,10 @@ def _datetime_problem(name: str, value: object) -> str | None:
     if not isinstance(value, str):
         return f"{name} {value!r:.80} is not an ISO 8601 string"
     try:
-        when = datetime.fromisoformat(value)
-        if when.tzinfo is not None:
-            when.timestamp()
-    except (ValueError, OverflowError, OSError) as exc:
+        # Celery's own parser, then what its timers do with the result (local time, a timestamp).
+        when = maybe_iso8601(value)
+        (when if when.tzinfo else when.replace(tzinfo=UTC)).astimezone().timestamp()
+    except (ValueError, OverflowError, OSError, TypeError) as exc:
         return f"{name} {value!r:.80} is not an ISO 8601 date and time ({exc})"
     return None
 
