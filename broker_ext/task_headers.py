@@ -9,8 +9,8 @@ asks :func:`header_problem` first and dead-letters such a message with the
 reason this returns, naming the header.
 
 Only what the main process itself uses is checked here (the protocol 2
-headers Celery reads before the task's own code: ``task``, ``timelimit``,
-``eta``, ``expires``). What a task's code does with the rest
+headers Celery reads before the task's own code: ``task``, ``shadow``,
+``timelimit``, ``eta``, ``expires``). What a task's code does with the rest
 is the task's business (and, for ``@exactly_once`` tasks, queueapp's).
 Whatever this does not foresee is still bounded: a worker that crashes
 charges what it was working on (:meth:`broker_ext.qos.FencedQoS.charge_at_shutdown`).
@@ -76,6 +76,10 @@ def header_problem(headers: object) -> str | None:
     task = headers["task"]
     if not isinstance(task, str) or not task or len(task) > MAX_TASK_NAME:
         return f"header task {task!r:.80} is not a task name"
+    shadow = headers.get("shadow")
+    if shadow is not None and not isinstance(shadow, str):
+        # The name Celery logs the task by; the threads pool lost a task whose shadow was a list.
+        return f"header shadow {shadow!r:.80} is not a task name (or null)"
     for check in (
         lambda: _timelimit_problem(headers.get("timelimit")),
         lambda: _datetime_problem("eta", headers.get("eta")),

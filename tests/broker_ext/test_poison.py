@@ -95,3 +95,19 @@ def test_a_header_that_would_break_the_worker_is_dead_lettered_naming_it(
     assert wait_for(lambda: [run["n"] for run in runs(record)] == [2], 30), worker.output()[-3000:]
     assert worker.alive()
     assert state_of(queue, good.id).place is Place.ABSENT
+
+
+def test_a_shadow_that_is_not_a_string_is_dead_lettered_not_held_forever_by_a_threads_worker(
+    celery_app, start_worker, record, redis_server, redis_db
+):
+    """Found by the fuzzer: the threads pool lost the task (its exception swallowed in the thread), so
+    the worker held the message, extending its lease, until it stopped."""
+    queue = FencedQueue(redis_server.client(db=redis_db), "tests")
+    task = celery_app.tasks["tests.broker_ext.worker_app.record_run"]
+    bad = task.apply_async((1,), headers={"shadow": [None]})
+    worker = start_worker(pool="threads", concurrency=2)
+    assert wait_for(lambda: state_of(queue, bad.id).place is Place.DEAD, 30), (
+        state_of(queue, bad.id),
+        worker.output()[-3000:],
+    )
+    assert "header shadow [None]" in state_of(queue, bad.id).reason
