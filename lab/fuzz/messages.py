@@ -298,6 +298,7 @@ def build(app, spec: Spec, *, index: int, run: str, queue: str, earlier: list[Ex
             where[mutation.name] = mutation.value
     if spec.raw_priority is not None:
         kinds.append(f"raw-priority={spec.raw_priority!r}")
+    not_json = payload is not None  # The whole payload was replaced: there is no envelope to publish.
     if payload is None:
         payload = json.dumps(envelope).encode()
     return Example(
@@ -305,7 +306,7 @@ def build(app, spec: Spec, *, index: int, run: str, queue: str, earlier: list[Ex
         label=label,
         task_id=envelope["headers"].get("id") if isinstance(envelope.get("headers"), dict) else None,
         payload=payload,
-        envelope=None if payload.startswith(b'{"body": "' + label.encode()) else envelope,
+        envelope=None if not_json else envelope,
         spec=spec,
         kinds=tuple(kinds),
     )
