@@ -83,15 +83,20 @@ class Consumer(CeleryConsumer):
         set_process_name(self.hostname)
         task_revoked.connect(self._on_task_revoked, weak=False, dispatch_uid=f"broker_ext.worker:{id(self)}")
 
+    def _qos(self) -> FencedQoS | None:
+        """The fenced QoS of this consumer's channel (``None`` on another transport)."""
+        qos = getattr(getattr(self.task_consumer, "channel", None), "qos", None)
+        return qos if isinstance(qos, FencedQoS) else None
+
     def _on_task_revoked(self, sender=None, request=None, terminated=False, expired=False, **_) -> None:
         """Celery revoked a task that never ran and is about to ack it: dead-letter it instead.
 
         Celery sends the signal after it scheduled the ack on the event loop
         (``call_soon``), so the ack that follows finds the note.
         """
-        qos = getattr(getattr(self.task_consumer, "channel", None), "qos", None)
+        qos = self._qos()
         tag = (getattr(request, "properties", None) or {}).get("delivery_tag")
-        if terminated or not isinstance(qos, FencedQoS) or tag is None:
+        if terminated or qos is None or tag is None:
             return
         if expired:
             reason = f"expired: its expires ({getattr(request, 'expires', None)}) passed before it ran"
@@ -190,8 +195,8 @@ class Consumer(CeleryConsumer):
         a poison one handed back unspent forever (a SIGKILLed worker's leases
         expire charged the same way).
         """
-        qos = getattr(getattr(self.task_consumer, "channel", None), "qos", None)
-        if not isinstance(qos, FencedQoS):
+        qos = self._qos()
+        if qos is None:
             return
         reason = f"worker crashed while working on it: {exc!r:.200}"
         tags = {request.message.delivery_tag for request in _work_in_progress()}
@@ -202,9 +207,8 @@ class Consumer(CeleryConsumer):
 
     def _keep_running_tasks(self) -> None:
         """Before Celery closes the channel: the deliveries of running tasks must not be given back."""
-        channel = getattr(self.task_consumer, "channel", None)
-        qos = getattr(channel, "qos", None)
-        if not isinstance(qos, FencedQoS):
+        qos = self._qos()
+        if qos is None:
             return
         running = [request.message.delivery_tag for request in list(state.active_requests)]
         kept = qos.keep(running)
