@@ -38,7 +38,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 
 from queueapp import broker, cache, conf
-from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
+from queueapp.delivery import CurrentDelivery, DeliveryInfo, activate, deactivate
 from queueapp.errors import DeliveryRefused, IdempotencyKeyError, MalformedDelivery
 from queueapp.records import KeyClaim, Outranked, Records, Status, Suppressed, Verdict, jsonable
 
@@ -332,9 +332,9 @@ def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
 
 @contextlib.contextmanager
 def _running(claim: KeyClaim, delivery: DeliveryInfo) -> Iterator[None]:
-    """The :class:`ExactlyOnceContext` of a claimed delivery, for its body to read."""
+    """The :class:`CurrentDelivery` of a claimed delivery, for its body to read."""
     reset = activate(
-        ExactlyOnceContext(
+        CurrentDelivery(
             key=claim.key,
             token=claim.token,
             token_source=claim.token_source,

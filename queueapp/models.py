@@ -156,7 +156,7 @@ class TaskOutcome(models.Model):
         verbose_name = _("task outcome")
         verbose_name_plural = _("task outcomes")
         ordering = ("-queued_at",)
-        # Every delivery writes the row twice (claim, verdict; SQLite's held path once): its indexes
+        # A delivery writes the row once or twice (its claim, with or before its verdict): its indexes
         # are kept to what the admin, the stuck view and the commands read. Status filters use
         # the lease index, which starts with the status (migration 0007).
         indexes = [
