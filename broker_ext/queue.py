@@ -366,6 +366,13 @@ class FencedQueue:
     def _ids_scored_upto(self, key: str, upto_ms: int, limit: int) -> list[str]:
         return [_text(i) for i in self.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit)]
 
+    def dead_reasons(self, limit: int = 100) -> list[str]:
+        """The reasons of the newest ``limit`` dead letters (no bodies read), newest first."""
+        ids = [_text(i) for i in self.client.zrevrange(self.keys.dead, 0, limit - 1)]
+        if not ids:
+            return []
+        return [_reason_of(reason) or "unknown" for reason in self.client.hmget(self.keys.reasons, ids)]
+
     def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         k = self.keys
         ids = self.dead_ids(limit)
