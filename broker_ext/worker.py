@@ -8,7 +8,8 @@ Three behaviours of Celery's own consumer fight the transport's guarantees:
   is rejected instead, which dead-letters it with the reason; unknown and
   invalid tasks keep their reason too, rather than a generic one, and so do
   task headers that would break the main process
-  (:mod:`broker_ext.task_headers`), checked before Celery acts on them.
+  (:mod:`broker_ext.task_headers`), checked before Celery acts on them, and
+  a task that raises ``Reject(reason, requeue=False)`` (:class:`Request`).
 * A worker whose main process crashes gives back what it held *unspent*, as
   at any shutdown, so a message that crashes it comes back to crash the next
   worker, forever. Here the deliveries it was working on when the error came
@@ -37,9 +38,13 @@ from __future__ import annotations
 
 import logging
 
+from billiard.einfo import ExceptionWithTraceback
+from celery.app.task import Task
+from celery.exceptions import Reject
 from celery.signals import task_revoked
 from celery.worker import state
 from celery.worker.consumer import Consumer as CeleryConsumer
+from celery.worker.request import Request as CeleryRequest
 from vine import promise
 
 from broker_ext.consumers import set_process_name
@@ -68,6 +73,22 @@ def _note_reason(message, reason: str) -> None:
     qos = _fenced_qos(message)
     if qos is not None:
         qos.note_reject_reason(message.delivery_tag, reason)
+
+
+class Request(CeleryRequest):
+    """Celery's request, whose ``Reject(reason, requeue=False)`` keeps its reason as the dead-letter reason.
+
+    The reject itself is made here, in the consumer's process, whatever pool
+    ran the task: the reason travels back with the exception.
+    """
+
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, Reject) and not exc.requeue and exc.reason:
+            _note_reason(self.message, f"rejected by task {self.task.name}: {exc.reason}")
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 class Consumer(CeleryConsumer):
@@ -154,6 +175,13 @@ class Consumer(CeleryConsumer):
         _note_reason(message, reason)
         if not message.acknowledged:
             message.reject(requeue=False)
+
+    def update_strategies(self) -> None:
+        """Tasks on Celery's own request class get :class:`Request` (a project's own class is left alone)."""
+        for task in self.app.tasks.values():
+            if task.Request == Task.Request:
+                task.Request = f"{__name__}:Request"
+        super().update_strategies()
 
     def on_decode_error(self, message, exc) -> None:
         if _fenced_qos(message) is None:

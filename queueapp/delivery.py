@@ -3,7 +3,7 @@
 The fenced transport puts the delivery's fencing token and count into the
 message properties, which Celery copies to ``task.request.properties``. The
 stock ``redis://`` transport and eager mode carry none: the commit rule then
-falls back to a database-side counter (see :mod:`queueapp.ledger`).
+falls back to a database-side counter (``sql/include/claimed_token.sql`` in :mod:`queueapp.records`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from broker_ext.messages import delivery_of, task_message_id
 from broker_ext.records import Delivery
+from queueapp.errors import MalformedDelivery
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class DeliveryInfo:
 
     @property
     def delivery_count(self) -> int | None:
-        return self.broker.deliveries if self.broker is not None else None
+        return self.broker.delivery_count if self.broker is not None else None
 
     @classmethod
     def of(cls, broker: Delivery, *, task_name: str, retries: int = 0, worker: str = "") -> DeliveryInfo:
@@ -63,12 +64,25 @@ class DeliveryInfo:
 
     @classmethod
     def from_request(cls, request, task_name: str) -> DeliveryInfo:
-        """Read a Celery request (``task.request``) into a :class:`DeliveryInfo`."""
+        """Read a Celery request (``task.request``); :class:`MalformedDelivery` names what is wrong in it."""
+        task_id, retries = request.id, getattr(request, "retries", 0)
+        if not isinstance(task_id, str) or not task_id:
+            raise MalformedDelivery(f"task message of {task_name} without a usable id: {task_id!r}")
+        if retries is None:
+            retries = 0
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise MalformedDelivery(
+                f"task message {task_id} of {task_name}: its retries header is {retries!r}, not a whole "
+                "number >= 0"
+            )
         properties = getattr(request, "properties", None) or {}
         delivery_info = getattr(request, "delivery_info", None) or {}
-        broker = delivery_of(properties)
-        retries = int(getattr(request, "retries", 0) or 0)
-        task_id = str(request.id)
+        try:
+            broker = delivery_of(properties)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedDelivery(
+                f"task message {task_id}: fenced properties unreadable ({exc!r})"
+            ) from exc
         return cls(
             task_id=task_id,
             task_name=task_name,
@@ -82,7 +96,7 @@ class DeliveryInfo:
 
 
 @dataclass(frozen=True)
-class ExactlyOnceContext:
+class CurrentDelivery:
     """What a running exactly-once body may pass on to external systems.
 
     ``key`` is the idempotency key (send it as the payment API's idempotency
@@ -99,17 +113,17 @@ class ExactlyOnceContext:
     delivery: DeliveryInfo
 
 
-_current: contextvars.ContextVar[ExactlyOnceContext | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[CurrentDelivery | None] = contextvars.ContextVar(
     "queueapp_exactly_once", default=None
 )
 
 
-def current_delivery() -> ExactlyOnceContext | None:
+def current_delivery() -> CurrentDelivery | None:
     """The context of the exactly-once body running in this thread, or ``None`` outside one."""
     return _current.get()
 
 
-def activate(context: ExactlyOnceContext) -> contextvars.Token:
+def activate(context: CurrentDelivery) -> contextvars.Token:
     return _current.set(context)
 
 

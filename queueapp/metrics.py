@@ -5,7 +5,7 @@ and the database at each scrape, into a registry of the request's own (the
 process's global registry is left alone, so a project that exports its own
 metrics sees no queueapp series appear in it).
 
-The broker is read through :func:`~queueapp.ops.connection.ops_channel`,
+The broker is read through :func:`~queueapp.broker_reads.bounded_channel`,
 bounded by ``OPS_BROKER_TIMEOUT``: with Redis stopped or paused, a scrape
 still answers within about that long, with the database's metrics and
 ``queueapp_broker_up 0``. A database that cannot be read gives
@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -39,11 +40,11 @@ from prometheus_client.registry import Collector
 from broker_ext.consumers import read_consumers
 from broker_ext.records import QueueStats
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel, queue_names
 from queueapp.errors import BrokerUnavailable
+from queueapp.large_tables import large_table_estimate
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.large_tables import large_table_estimate
-from queueapp.ops.queues import configured_queues, known_queues, scanned_queues
+from queueapp.series import verdict_counts
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,13 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     *((f"{name}_total", "counter", "queue", text) for _, name, text in QUEUE_COUNTERS),
     ("queueapp_consumers", "gauge", "", "Consumers whose lease keeper reported in the last 2 minutes."),
     (
+        "queueapp_dead_letters",
+        "gauge",
+        "queue, reason",
+        "Dead letters by what was wrong (their reason up to its first colon), among the newest 100 of "
+        "each queue.",
+    ),
+    (
         "queueapp_outcomes",
         "gauge",
         "status",
@@ -145,16 +153,7 @@ def database_counts() -> DatabaseCounts:
     using = conf.get("DATABASE")
     counts = DatabaseCounts()
     counts.outcomes = outcome_counts(using)
-    verdicts = [verdict for verdict, _, _ in VERDICT_COUNTERS]
-    rows = (
-        TaskDelivery.objects.using(using)
-        .filter(verdict__in=verdicts)
-        .values("queue", "verdict")
-        .annotate(n=Count("pk"))
-        .order_by()
-    )
-    for row in rows:
-        counts.verdicts[(row["queue"], row["verdict"])] = row["n"]
+    counts.verdicts = verdict_counts(verdict for verdict, _, _ in VERDICT_COUNTERS)
     pending = OutboxMessage.objects.using(using).filter(status=OutboxMessage.Status.PENDING)
     summary = pending.aggregate(n=Count("pk"), oldest=Min("created_at"))
     counts.outbox_pending = summary["n"] or 0
@@ -168,7 +167,7 @@ def outcome_counts(using: str) -> dict[str, int]:
 
     *succeeded* is nearly every row of a table that only grows; counting it
     exactly would read the whole table at every scrape and every sample. On a
-    PostgreSQL table above :data:`~queueapp.ops.large_tables.ESTIMATE_ABOVE`
+    PostgreSQL table above :data:`~queueapp.large_tables.ESTIMATE_ABOVE`
     rows (by the planner's estimate) it is the estimate less the other
     statuses, which are counted from the status index.
     """
@@ -185,12 +184,13 @@ def outcome_counts(using: str) -> dict[str, int]:
     return counts
 
 
-def queue_names(app, channel) -> list[str]:
-    """The known queues; without the database, the configured ones and those found in Redis."""
-    try:
-        return known_queues(app, channel)
-    except DatabaseError:
-        return sorted(configured_queues(app) | scanned_queues(channel))
+#: Dead letters read per queue at each scrape to count what was wrong with them (the newest).
+DEAD_LETTER_SAMPLE = 100
+
+
+def reason_kind(reason: str) -> str:
+    """What was wrong, without which message: a dead-letter reason up to its first colon."""
+    return reason.split(":", 1)[0].strip()[:80] or "unknown"
 
 
 @dataclass
@@ -199,14 +199,21 @@ class BrokerSnapshot:
 
     stats: list[QueueStats]
     consumers: int
+    #: (queue, reason kind) -> dead letters among each queue's newest :data:`DEAD_LETTER_SAMPLE`.
+    dead_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def broker_snapshot(app) -> BrokerSnapshot:
     """Raises :class:`~queueapp.errors.BrokerUnavailable` when Redis cannot be read in time."""
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         stats = [channel.fenced_queue(name).stats() for name in queue_names(app, channel)]
         consumers = read_consumers(channel.fenced_client, prefix=channel.global_keyprefix)
-    return BrokerSnapshot(stats, len(consumers))
+        reasons: Counter[tuple[str, str]] = Counter()
+        for queue in stats:
+            if queue.dead:
+                for reason in channel.fenced_queue(queue.queue).dead_reasons(DEAD_LETTER_SAMPLE):
+                    reasons[(queue.queue, reason_kind(reason))] += 1
+    return BrokerSnapshot(stats, len(consumers), dict(reasons))
 
 
 class QueueappCollector(Collector):
@@ -250,6 +257,12 @@ class QueueappCollector(Collector):
                 counter.add_metric([stats.queue], stats.counters.get(counter_name, 0))
             yield counter
         yield GaugeMetricFamily("queueapp_consumers", _help("queueapp_consumers"), value=broker.consumers)
+        dead = GaugeMetricFamily(
+            "queueapp_dead_letters", _help("queueapp_dead_letters"), labels=["queue", "reason"]
+        )
+        for (queue, kind), count in sorted(broker.dead_reasons.items()):
+            dead.add_metric([queue, kind], count)
+        yield dead
 
     def _database_metrics(self, database: DatabaseCounts) -> Iterator[Metric]:
         outcomes = GaugeMetricFamily("queueapp_outcomes", _help("queueapp_outcomes"), labels=["status"])

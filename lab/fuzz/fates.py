@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-#: Dead-letter reasons that name nothing: the reject of a consumer that did not say why.
-GENERIC_REASONS = ("rejected by the consumer", "rejected:", "rejected")
+#: Dead-letter reasons that name nothing: the reject of a consumer that did not say why, and the
+#: requeue script's default for deliveries given back without a reason until none was left.
+GENERIC_REASONS = ("rejected by the consumer", "rejected:")
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def reason_family(reason: str) -> str:
 
 def _dead(o: Observation) -> Fate:
     reason = o.reason.strip()
-    if not reason or reason.lower().startswith(GENERIC_REASONS):
+    if not reason or reason == "rejected" or reason.lower().startswith(GENERIC_REASONS):
         return Fate("dead", f"dead-lettered with a reason that names nothing: {reason!r}")
     if "corrupt" in reason.lower():
         return Fate("dead", f"the broker stored a state it cannot read back: {reason!r}")

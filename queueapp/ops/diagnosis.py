@@ -15,7 +15,7 @@ read from what was recorded, never guessed. The records are:
 
 :func:`diagnose` is a pure function from those records to sentences, so each
 cause is tested with real rows; :func:`diagnose_outcomes` reads the records
-(the broker through :func:`~queueapp.ops.connection.ops_channel`, bounded)
+(the broker through :func:`~queueapp.broker_reads.bounded_channel`, bounded)
 and says so when the broker could not be read: the sentences then give what
 the database knows.
 """
@@ -31,10 +31,10 @@ from django.utils import timezone
 
 from broker_ext.records import MessageState, Place, ReclaimEntry, RequeueEntry
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel, queue_of
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.reports import DEDUP_KEY_PREFIX, broker_states, queue_of
+from queueapp.ops.reports import DEDUP_KEY_PREFIX, broker_states
 
 Verdict = TaskDelivery.Verdict
 
@@ -131,7 +131,7 @@ class Diagnosis:
         live = self.records.live
         if live is None or live.place is not Place.LEASED or delivery.finished_at is not None:
             return None
-        if live.message_id != delivery.message_id or live.deliveries != (delivery.delivery_count or 0):
+        if live.message_id != delivery.message_id or live.delivery_count != (delivery.delivery_count or 0):
             return None
         return _ms(live.score_ms) if live.score_ms else None
 
@@ -234,7 +234,7 @@ def _stale_why(delivery: TaskDelivery, log: Sequence[TaskDelivery]) -> str:
 def _reclaim_of(previous: TaskDelivery, reclaims: Sequence[ReclaimEntry]) -> ReclaimEntry | None:
     """The broker's record of ``previous``'s lease expiring (by message and delivery count, else token)."""
     same = [e for e in reclaims if e.message_id == previous.message_id]
-    by_count = [e for e in same if previous.delivery_count and e.deliveries == previous.delivery_count]
+    by_count = [e for e in same if previous.delivery_count and e.delivery_count == previous.delivery_count]
     by_token = [e for e in same if e.token and e.token == previous.fence_token]
     found = by_count or by_token
     return min(found, key=lambda e: e.at_ms) if found else None
@@ -242,7 +242,7 @@ def _reclaim_of(previous: TaskDelivery, reclaims: Sequence[ReclaimEntry]) -> Rec
 
 def _requeue_of(message_id: str, count: int | None, requeues: Sequence[RequeueEntry]) -> RequeueEntry | None:
     """The broker's record of the delivery ``count`` of ``message_id`` being given back by its worker."""
-    found = [e for e in requeues if e.message_id == message_id and count and e.deliveries == count]
+    found = [e for e in requeues if e.message_id == message_id and count and e.delivery_count == count]
     return min(found, key=lambda e: e.at_ms) if found else None
 
 
@@ -254,7 +254,7 @@ def _earlier(
     said, causes = [], set()
     for count in counts:
         requeue = _requeue_of(message_id, count, broker.requeues)
-        lapsed = [e for e in broker.reclaims if e.message_id == message_id and e.deliveries == count]
+        lapsed = [e for e in broker.reclaims if e.message_id == message_id and e.delivery_count == count]
         later = [i for i, d in enumerate(log, 1) if d.message_id == message_id and d.delivery_count == count]
         if later:
             expired = f": its lease expired at {_clock(_ms(lapsed[0].deadline_ms))}" if lapsed else ""
@@ -329,7 +329,9 @@ def _same_message_why(
         return Cause.DEFERRED, f"delivery {n} is delivery {j} given back to the broker by its worker{why}"
     broker_tokens = delivery.token_source == TaskDelivery.TokenSource.BROKER
     if count and before and count < before:
-        lapsed = [e for e in broker.reclaims if e.message_id == delivery.message_id and e.deliveries == count]
+        lapsed = [
+            e for e in broker.reclaims if e.message_id == delivery.message_id and e.delivery_count == count
+        ]
         expired = f", which expired at {_clock(_ms(lapsed[0].deadline_ms))}" if lapsed else ""
         return Cause.LATE, (
             f"delivery {n} is the broker's delivery {count} of its message, handed out before delivery {j} "
@@ -482,7 +484,7 @@ def _broker_records(app, outcomes: list[TaskOutcome], logs: dict[int, list[TaskD
     records = {o.pk: BrokerRecords() for o in outcomes}
     by_key = {o.idempotency_key: o.pk for o in outcomes}
     try:
-        with ops_channel(app) as channel:
+        with bounded_channel(app) as channel:
             for pk, state in broker_states(app, outcomes, channel).items():
                 records[pk].live = state
             for name, message_ids in wanted.items():

@@ -44,7 +44,7 @@ def test_locate_says_where_each_message_is(queue):
         "held": Place.READY,
         "nope": Place.ABSENT,
     }
-    assert found["ready"].lease_alive and found["ready"].deliveries == 1
+    assert found["ready"].lease_alive and found["ready"].delivery_count == 1
 
 
 def test_a_reclaim_past_max_deliveries_announces_the_dead_letter_with_its_reason(queue, notices):
@@ -76,7 +76,7 @@ def test_the_reclaim_log_says_whose_lease_expired_and_when_it_was_last_extended(
     queue.options = QueueOptions(lease_ms=200, max_deliveries=5)
     assert queue.reclaim_all() == (1, 0)
     (entry,) = queue.reclaim_log(10)
-    assert (entry.message_id, entry.token, entry.deliveries) == ("slow", claimed.delivery.token, 1)
+    assert (entry.message_id, entry.token, entry.delivery_count) == ("slow", claimed.delivery.token, 1)
     assert entry.last_extended_ms == entry.deadline_ms - 200 <= entry.at_ms
 
 

@@ -5,9 +5,8 @@ a reason that names what was wrong, or still visible in Redis (see
 :mod:`lab.fuzz.fates`). The run-through tests share one rig for the module: a
 private Redis and long-lived solo, threads and prefork workers on the test
 database, as ``manage.py faultlab --fuzz`` runs them. Each example the fuzzer
-found breaking the rule is a named test below; those whose fix lives on
-the ``commit-rule`` branch are strict ``xfail`` until it is merged (issue 23,
-points 1, 2, 5; point 4 came with ``scale-cost``).
+found breaking the rule is a named test below (issue 23: points 1, 2 and 5
+were fixed on the ``commit-rule`` branch, point 4 on ``scale-cost``).
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 #: The bounded run of bin/test: examples, per batch, seed.
 EXAMPLES, BATCH, SEED = 300, 100, 23
 
-COMMIT_RULE = "open until the commit-rule branch is merged (issue 23, points 1, 2, 5)"
-
 
 def observed(**fields) -> Observation:
     defaults = {"index": 0, "kind": "valid", "label": "l", "key": "k", "message_id": "k.0"}
@@ -40,6 +37,8 @@ def test_the_judge_accepts_the_three_places_a_message_may_end():
     assert fate_of(observed(effects=1, key_effects=1, outcome_status="succeeded")).violation == ""
     dead = observed(place="dead", reason="header timelimit hard limit str 'a' is not a number")
     assert fate_of(dead).name == "dead: header timelimit" and not fate_of(dead).violation
+    refused = observed(place="dead", reason="rejected by task t: task message of t without a usable id: 7")
+    assert not fate_of(refused).violation
     assert fate_of(observed(place="delayed")).name == "visible: delayed"
     duplicate = observed(outcome_status="succeeded", key_effects=1)
     assert fate_of(duplicate).name == "suppressed duplicate"
@@ -100,7 +99,6 @@ def one(rig: FuzzRig, *mutations: Mutation, raw_priority: object = None):
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(strict=True, reason=COMMIT_RULE)
 def test_a_bounded_fuzz_run_through_real_workers_keeps_every_message_in_its_place(rig):
     observations = []
     specs = draw_specs(EXAMPLES, SEED)
@@ -150,7 +148,6 @@ def test_a_timelimit_of_two_strings_is_dead_lettered_naming_the_header_and_no_wo
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(strict=True, reason=COMMIT_RULE)
 @pytest.mark.parametrize("retries", ["abc", [1]])
 def test_a_retries_header_that_is_not_an_integer_is_not_acked_without_a_verdict(rig, retries):
     """Issue 23, point 1: the ValueError escaped as a task failure and Celery acked it, no trace left."""
@@ -159,7 +156,6 @@ def test_a_retries_header_that_is_not_an_integer_is_not_acked_without_a_verdict(
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(strict=True, reason=COMMIT_RULE)
 def test_a_null_id_does_not_run_the_body_outside_the_commit_rule(rig):
     """Issue 23, point 2: ``request.id is None`` was taken for a direct call; the body ran unrecorded."""
     observation, fate = one(rig, Mutation("header", "id", None))
@@ -167,7 +163,6 @@ def test_a_null_id_does_not_run_the_body_outside_the_commit_rule(rig):
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(strict=True, reason=COMMIT_RULE)
 @pytest.mark.parametrize("task_id", ["", 7])
 def test_a_refused_id_is_dead_lettered_with_the_decorator_s_reason(rig, task_id):
     """Issue 23, point 5: the reason was "rejected by the consumer"; the real one only in the worker's log."""
