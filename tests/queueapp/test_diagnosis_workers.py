@@ -8,6 +8,7 @@ name the killed worker and the moment its extends stopped.
 from __future__ import annotations
 
 import pytest
+from django.core.cache import cache
 
 from broker_ext.records import StoredState
 from lab.processes import wait_for
@@ -24,6 +25,10 @@ def succeeded(key: str) -> bool:
     return TaskOutcome.objects.filter(idempotency_key=key, status=TaskOutcome.Status.SUCCEEDED).exists()
 
 
+def body_started(key: str) -> bool:
+    return cache.get(demo_tasks.body_started_key(key)) is not None
+
+
 def extended(queue, message_id: str) -> bool:
     """The lease keeper moved the lease past the deadline the claim set."""
     state = StoredState.parse(queue.client.hget(queue.keys.state, message_id))
@@ -38,7 +43,10 @@ def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extend
     doomed = start_worker(name="doomed", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
     result = demo_tasks.effect.delay("killed", sleep=4)
     message_id = f"{result.id}.0"
-    assert wait_for(lambda: extended(queue, message_id), timeout=30), doomed.output()[-3000:]
+    # The keeper extends a prefetched message too: wait for the body as well (its claim came first).
+    assert wait_for(lambda: body_started(result.id) and extended(queue, message_id), timeout=30), (
+        doomed.output()[-3000:]
+    )
     doomed.process.kill()
     doomed.process.wait(10)
     survivor = start_worker(name="survivor", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
