@@ -156,7 +156,11 @@ def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, 
         return cached.result
     records = Records()
     step = _Delivery(task, key, body, args, kwargs, delivery, records, cache_success=not uncached)
-    return _deliver(step, claim_first=conf.get("RECORD_RUNNING") or not records.holds_claims(delivery))
+    try:  # Asking whether the claim may wait for the success connects to the database.
+        claim_first = conf.get("RECORD_RUNNING") or not records.holds_claims(delivery)
+    except DatabaseError as exc:
+        return _database_unavailable(step, exc)
+    return _deliver(step, claim_first=claim_first)
 
 
 def _deliver(step: _Delivery, *, claim_first: bool) -> Any:

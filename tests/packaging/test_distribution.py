@@ -44,10 +44,11 @@ def pins(path: Path) -> dict[str, str]:
     return found
 
 
-def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_and_migrations(wheel):
+def test_the_wheel_holds_both_packages_with_their_lua_scripts_sql_templates_and_migrations(wheel):
     files = wheel_files(wheel)
     data = [
         *(ROOT / "broker_ext" / "lua").rglob("*.lua"),
+        *(ROOT / "queueapp" / "records" / "sql").rglob("*.sql"),
         *(ROOT / "queueapp" / "templates").rglob("*.html"),
         *(path for path in (ROOT / "queueapp" / "static").rglob("*") if path.is_file()),
         *(ROOT / "queueapp" / "migrations").glob("*.py"),
@@ -55,6 +56,7 @@ def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_and_migr
     missing = sorted(str(path.relative_to(ROOT)) for path in data if str(path.relative_to(ROOT)) not in files)
     assert missing == []
     assert "broker_ext/lua/include/server_time.lua" in files
+    assert "queueapp/records/sql/include/claim_rule.sql" in files
 
 
 def test_the_wheel_leaves_out_the_lab_the_settings_and_the_tests(wheel):

@@ -8,6 +8,7 @@ name the killed worker and the moment its extends stopped.
 from __future__ import annotations
 
 import pytest
+from django.core.cache import cache
 
 from broker_ext.records import StoredState
 from lab.processes import wait_for
@@ -15,7 +16,6 @@ from queueapp.admin.timeline import timeline_svg
 from queueapp.models import TaskOutcome
 from queueapp.ops.diagnosis import Cause, diagnose_outcome
 from settings.celery import app
-from tests.helpers import body_started
 from tests.queueapp import demo_tasks
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.timeout(180)]
@@ -25,16 +25,15 @@ def succeeded(key: str) -> bool:
     return TaskOutcome.objects.filter(idempotency_key=key, status=TaskOutcome.Status.SUCCEEDED).exists()
 
 
+def body_started(key: str) -> bool:
+    return cache.get(demo_tasks.body_started_key(key)) is not None
+
+
 def extended(queue, message_id: str) -> bool:
     """The lease keeper moved the lease past the deadline the claim set."""
     state = StoredState.parse(queue.client.hget(queue.keys.state, message_id))
     where = queue.locate([message_id])[message_id]
     return state is not None and bool(where.score_ms) and where.score_ms > state.first_deadline_ms
-
-
-def mid_task(queue, task_id: str) -> bool:
-    """The task's body runs and the lease keeper has extended its lease: a kill now interrupts it."""
-    return body_started(task_id) and extended(queue, f"{task_id}.0")
 
 
 def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extending(
@@ -43,9 +42,11 @@ def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extend
     """With ``RECORD_RUNNING`` the killed delivery's claim is in the database, with its worker."""
     doomed = start_worker(name="doomed", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
     result = demo_tasks.effect.delay("killed", sleep=4)
-    # In its body (its claim committed first), and extended: a prefetched message is extended too, and a
-    # worker killed before its task started would leave no claim in the database (seen on a loaded machine).
-    assert wait_for(lambda: mid_task(queue, result.id), timeout=30), doomed.output()[-3000:]
+    message_id = f"{result.id}.0"
+    # The keeper extends a prefetched message too: wait for the body as well (its claim came first).
+    assert wait_for(lambda: body_started(result.id) and extended(queue, message_id), timeout=30), (
+        doomed.output()[-3000:]
+    )
     doomed.process.kill()
     doomed.process.wait(10)
     survivor = start_worker(name="survivor", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
@@ -72,7 +73,7 @@ def test_a_killed_held_delivery_leaves_no_record_and_its_redelivery_says_so(
     settings.QUEUEAPP = {"QUEUED_WRITE_DELAY": 0}
     doomed = start_worker(name="doomed", lease_timeout=2)
     result = demo_tasks.effect.delay("killed", sleep=4)
-    assert wait_for(lambda: mid_task(queue, result.id), timeout=30), doomed.output()[-3000:]
+    assert wait_for(lambda: extended(queue, f"{result.id}.0"), timeout=30), doomed.output()[-3000:]
     doomed.process.kill()
     doomed.process.wait(10)
     survivor = start_worker(name="survivor", lease_timeout=2)
