@@ -51,8 +51,8 @@ def _timelimit_problem(value: object) -> str | None:
 
 
 def _datetime_problem(name: str, value: object) -> str | None:
-    """``eta`` and ``expires``: null or an ISO 8601 string a timestamp can be made of."""
-    if value is None:
+    """``eta`` and ``expires``: empty (Celery reads no date then) or an ISO 8601 string it can use."""
+    if not value:
         return None
     if not isinstance(value, str):
         return f"{name} {value!r:.80} is not an ISO 8601 string"

@@ -137,7 +137,10 @@ class Consumer(CeleryConsumer):
         handle = super().create_task_handler(promise)
 
         def on_task_received(message) -> None:
-            problem = self.header_problem(message.headers) if _fenced_qos(message) is not None else None
+            try:
+                problem = self.header_problem(message.headers) if _fenced_qos(message) is not None else None
+            except Exception as exc:  # A check that fails says so; it never takes the worker down.
+                problem = f"headers that could not be checked: {exc!r:.200}"
             if problem is not None:
                 logger.error("task message %s dead-lettered: %s", message.delivery_tag, problem)
                 _note_reason(message, problem)

@@ -43,7 +43,7 @@ def test_a_poison_message_that_crashes_the_main_process_is_charged_until_it_is_d
         assert wait_for(lambda w=worker: not w.alive(), 60), worker.output()[-3000:]
         assert "Unrecoverable error" in worker.output() or "worker crashed" in worker.output()
         state = state_of(queue, poison.id)
-        assert (state.deliveries, state.charged) == (crash, crash), (state, worker.output()[-3000:])
+        assert (state.delivery_count, state.charged) == (crash, crash), (state, worker.output()[-3000:])
     assert state.place is Place.DEAD, state
     assert "worker crashed while working on it" in state.reason, state.reason
     assert "max_deliveries 2" in state.reason, state.reason

@@ -26,8 +26,10 @@ json_values = st.recursive(
     ),
     max_leaves=6,
 )
-dates = st.datetimes().map(lambda d: d.isoformat()) | st.datetimes(timezones=st.timezones()).map(
-    lambda d: d.isoformat()
+dates = (
+    st.just("")
+    | st.datetimes().map(lambda d: d.isoformat())
+    | st.datetimes(timezones=st.timezones()).map(lambda d: d.isoformat())
 )
 headers = st.fixed_dictionaries(
     {"task": st.one_of(st.just("lab.fenced_effect"), json_values)},
@@ -54,7 +56,9 @@ def celery_main_process_uses(checked: dict) -> None:
             to_timestamp(timezone.to_system(when if when.tzinfo else when.replace(tzinfo=UTC)))
 
 
-@settings(max_examples=400, deadline=None)
+# Derandomized: the same examples in every run of the suite; a random run found the empty eta that
+# crashed the check (now test_an_empty_date_is_no_date below).
+@settings(max_examples=600, deadline=None, derandomize=True)
 @given(headers)
 def test_what_the_checks_let_through_celery_s_main_process_can_use(found):
     problem = header_problem(found)
@@ -67,3 +71,9 @@ def test_what_the_checks_let_through_celery_s_main_process_can_use(found):
 def test_a_message_without_a_task_header_is_left_to_celery_s_own_handling():
     assert header_problem({"id": "x"}) is None
     assert header_problem(None) is None
+
+
+def test_an_empty_date_is_no_date_as_for_celery():
+    for name in ("eta", "expires"):
+        for empty in ("", [], 0, None):
+            assert header_problem({"task": "t", name: empty}) is None
