@@ -16,6 +16,8 @@ from tests.packaging.conftest import ROOT
 pytestmark = pytest.mark.packaging
 
 RUNTIME = {"celery", "kombu", "redis", "django", "django-redis", "rich", "prometheus-client"}
+#: What this repository's project (settings/) needs beyond the library: DATABASE_URL and PostgreSQL.
+PROJECT = {"dj-database-url", "psycopg"}
 
 
 def wheel_files(wheel: Path) -> set[str]:
@@ -74,6 +76,15 @@ def test_requirements_txt_pins_versions_the_package_accepts(wheel):
     for requirement in requires(wheel):
         name = canonicalize_name(requirement.name)
         assert requirement.specifier.contains(pinned[name]), f"{name}=={pinned[name]} vs {requirement}"
+
+
+def test_requirements_txt_is_the_library_set_and_the_projects_own_and_dev_adds_only_tools(wheel):
+    """requirements.txt runs this repository's manage.py; requirements-dev.txt re-pins none of it."""
+    library = {canonicalize_name(r.name) for r in requires(wheel)}
+    assert set(pins(ROOT / "requirements.txt")) == library | PROJECT
+    dev = ROOT / "requirements-dev.txt"
+    assert "-r requirements.txt" in dev.read_text().splitlines()
+    assert set(pins(dev)) & set(pins(ROOT / "requirements.txt")) == set()
 
 
 def test_requirements_lowest_txt_pins_exactly_the_lower_bounds_the_package_claims(wheel):
