@@ -23,9 +23,12 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
 ``fenced:{T}:requeues`` list   recent deliveries their consumer gave back, and why (capped, JSON)
+``fenced:{T}:adopted`` hash    stock publish id -> moved at ms: messages moved over from stock Kombu
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
 ``fenced:{T}:claim:R`` string  the ids claim R leased, for a resent claim (expires)
 ``fenced:consumers``   hash    consumer id -> what its lease keeper last reported (JSON)
+``fenced:adopting``    hash    on a stock Redis: messages taken out of its queues, not yet stored
+                               in their fenced queue on another server (JSON [queue, publish id] -> payload)
 =====================  ======  ==================================================
 
 An empty queue name is refused: its tag would be ``{}``, which Redis ignores
@@ -128,6 +131,10 @@ class QueueKeys:
     def requeues(self) -> str:
         return self._key("requeues")
 
+    @cached_property
+    def adopted(self) -> str:
+        return self._key("adopted")
+
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")
 
@@ -152,12 +159,18 @@ class QueueKeys:
             self.dedups,
             self.reclaims,
             self.requeues,
+            self.adopted,
         ]
 
 
 def consumers_key(prefix: str = "") -> str:
     """The hash where lease keepers report the consumers they keep alive (one key, not per queue)."""
     return f"{prefix}{PREFIX}:consumers"
+
+
+def adopting_key(prefix: str = "") -> str:
+    """The journal of a move from stock Kombu, on the stock Redis (:mod:`broker_ext.adoption`)."""
+    return f"{prefix}{PREFIX}:adopting"
 
 
 def unescape_tag(tag: str) -> str:

@@ -21,6 +21,7 @@ from broker_ext.errors import Reply
 from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
 from broker_ext.options import QueueOptions
 from broker_ext.records import (
+    AdoptedMessage,
     Claimed,
     DeadLetter,
     DedupEntry,
@@ -32,6 +33,7 @@ from broker_ext.records import (
     ReclaimEntry,
     ReclaimResult,
     RequeueEntry,
+    StockSource,
     StoredState,
 )
 from broker_ext.scripts import SCRIPT_KEYS, ScriptCall, Scripts, register, run_call
@@ -48,6 +50,11 @@ def _triples(deliveries: Iterable[Delivery]) -> list[str]:
     for delivery in deliveries:
         args += [delivery.message_id, str(delivery.token), delivery.claim]
     return args
+
+
+def _adopted_fields(message: OutgoingMessage) -> list:
+    """What the adopt scripts take of a message: its id, payload, priority and delay."""
+    return [message.message_id, message.payload, message.priority, message.delay_ms]
 
 
 def _replies(reply: list) -> list[Reply]:
@@ -130,6 +137,29 @@ class FencedQueue:
     def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
         """Store messages (idempotent on id); one reply per message."""
         return self.run(self.publish_call(messages))
+
+    # -- adoption from stock Kombu (broker_ext.adoption) ---------------------------------------
+
+    def adopt(self, messages: Sequence[AdoptedMessage], ledger_ttl_ms: int) -> list[Reply]:
+        """Store messages moved over from stock Kombu, once per stock publish id; one reply each."""
+        args: list = [self.options.signal_cap, self.options.ttl_ms, ledger_ttl_ms]
+        for adopted in messages:
+            args += [adopted.publish_id, *_adopted_fields(adopted.message)]
+        return self.run(self._call("adopt", args))
+
+    def adopt_local(
+        self, source: StockSource, messages: Sequence[AdoptedMessage], *, max_age_ms: int, ledger_ttl_ms: int
+    ) -> list[Reply]:
+        """Take messages out of stock keys of this same Redis and store them, each in one atomic step.
+
+        An unacked entry is taken only ``max_age_ms`` after its delivery (-1: at any age).
+        """
+        o = self.options
+        args: list = [o.signal_cap, o.ttl_ms, ledger_ttl_ms, source.where, max_age_ms]
+        for adopted in messages:
+            args += [adopted.source, adopted.publish_id, *_adopted_fields(adopted.message)]
+        stock = {"unacked": source.unacked, "unacked_index": source.unacked_index, "list": source.list_key}
+        return self.run(self._call("adopt_local", args, **stock))
 
     # -- consume -------------------------------------------------------------------------
 

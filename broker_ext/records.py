@@ -49,6 +49,40 @@ class OutgoingMessage:
 
 
 @dataclass(frozen=True)
+class StockSource:
+    """Where stock Kombu's Redis transport keeps the entries a move takes: one queue list, or ``unacked``.
+
+    Full key names, global key prefix included, as the stock channel names them.
+    """
+
+    unacked: str
+    unacked_index: str
+    list: str = ""  # the queue list the entries are in; "" for delivery tags of the unacked hash
+
+    @property
+    def where(self) -> str:
+        return "list" if self.list else "unacked"
+
+    @property
+    def list_key(self) -> str:
+        """A key for the scripts' list role: the queue list, or (unused then) the unacked index."""
+        return self.list or self.unacked_index
+
+
+@dataclass(frozen=True)
+class AdoptedMessage:
+    """A message moved over from stock Kombu: stored once per stock publish id (``adopt.lua``).
+
+    ``source`` is the stock list element or the delivery tag it is taken from;
+    a ``message.payload`` of ``""`` stores the list element itself.
+    """
+
+    publish_id: str
+    message: OutgoingMessage
+    source: str | bytes = ""
+
+
+@dataclass(frozen=True)
 class QueueStats:
     """A consistent snapshot of a queue, read in one script call."""
 

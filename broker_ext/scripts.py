@@ -38,7 +38,9 @@ from broker_ext.errors import RedisFull, RedisUnavailable, ScriptRefused
 
 LUA_DIR = Path(__file__).with_name("lua")
 #: Each script's KEYS in order, by role: a :class:`~broker_ext.keys.QueueKeys` attribute, or a
-#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last).
+#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last;
+#: ``journal``, ``unacked``, ``unacked_index``, ``list``: keys of a stock Kombu Redis, see
+#: :mod:`broker_ext.adoption`).
 SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
     "publish": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "dedups", "dedup"),
     "claim": (
@@ -75,6 +77,22 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
     "purge": ("ready", "bodies", "state", "stats"),
     "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats"),
     "report_consumer": ("consumers",),
+    "adopt": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "adopted"),
+    "adopt_local": (
+        "bodies",
+        "state",
+        "ready",
+        "delayed",
+        "seq",
+        "done",
+        "signal",
+        "stats",
+        "adopted",
+        "unacked",
+        "unacked_index",
+        "list",
+    ),
+    "adopt_take": ("journal", "unacked", "unacked_index", "list"),
 }
 SCRIPT_NAMES = tuple(SCRIPT_KEYS)
 INCLUDE = re.compile(r'^--- @include "(?P<name>\w+)"$', re.MULTILINE)
@@ -148,6 +166,9 @@ class Scripts:
     purge: Script
     queue_stats: Script
     report_consumer: Script
+    adopt: Script
+    adopt_local: Script
+    adopt_take: Script
 
 
 def register(client) -> Scripts:
