@@ -1,9 +1,11 @@
-"""queueapp's door to the fenced broker: deferring a delivery, the worker's channel, payloads.
+"""The worker's door to the fenced broker: its channel from the app's pool, and deferring a delivery.
 
 Everything reaches Redis through the Celery app's own connection pool
 (``app.pool.acquire()`` then ``connection.default_channel.fenced_queue(name)``),
 so it honours the broker URL, the transport options (``max_deliveries``, the
-lease) and the global key prefix the workers use.
+lease) and the global key prefix the workers use. Reads bounded in time (the
+admin, the commands, the workers' periodic passes) go through
+:mod:`queueapp.broker_reads` instead.
 
 **Deferring.** Needed when the database has seen a higher token for the key than the broker
 just handed out (after a Redis failover or a restart that lost the last
@@ -16,13 +18,10 @@ message's token so that this delivery's own late ack is refused as stale.
 
 from __future__ import annotations
 
-import base64
 import enum
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from broker_ext.errors import Reply
 from queueapp.delivery import DeliveryInfo
@@ -85,7 +84,7 @@ def fenced_channel(app, timeout: float = CONNECT_TIMEOUT) -> Iterator:
     It keeps trying to connect for up to ``timeout`` seconds, as a worker
     should. Only errors raised while connecting are translated: an error
     inside the ``with`` block is the caller's to handle. Operator tools use
-    :func:`queueapp.ops.connection.ops_channel`, which is bounded by
+    :func:`queueapp.broker_reads.bounded_channel`, which is bounded by
     ``OPS_BROKER_TIMEOUT`` instead.
     """
     try:
@@ -106,56 +105,3 @@ def fenced_channel(app, timeout: float = CONNECT_TIMEOUT) -> Iterator:
         yield channel
     finally:
         connection.release()
-
-
-@dataclass(frozen=True)
-class MessageInfo:
-    """What a stored Kombu payload says about its Celery task (for display and matching)."""
-
-    task: str = ""
-    task_id: str = ""
-    args: list | None = None
-    kwargs: dict | None = None
-    decoded: dict | None = None  # the payload with its body decoded, for the raw view
-
-    @property
-    def readable(self) -> bool:
-        return self.decoded is not None
-
-
-def _decode_body(message: dict):
-    """The Celery body (``[args, kwargs, embed]``) of a Kombu payload, or ``None`` if it is not JSON."""
-    body, properties = message.get("body"), message.get("properties")
-    if not isinstance(body, str):
-        return None
-    base64_encoded = isinstance(properties, dict) and properties.get("body_encoding") == "base64"
-    try:
-        return json.loads(base64.b64decode(body) if base64_encoded else body)
-    except (ValueError, TypeError):
-        return None
-
-
-def describe_payload(payload: bytes | str | None) -> MessageInfo:
-    """Decode a stored payload (Kombu JSON, body base64 of Celery's JSON) as far as it goes.
-
-    A malformed body is exactly what the dead-letter set holds sometimes, so
-    nothing here raises: what cannot be decoded is left out.
-    """
-    try:
-        message = json.loads(payload) if payload is not None else None
-    except ValueError:
-        message = None
-    if not isinstance(message, dict):
-        return MessageInfo()
-    headers = message.get("headers") if isinstance(message.get("headers"), dict) else {}
-    body = _decode_body(message)
-    if body is not None:
-        message = {**message, "body": body}
-    args, kwargs = (body[0], body[1]) if isinstance(body, list) and len(body) >= 2 else (None, None)
-    return MessageInfo(
-        task=str(headers.get("task") or ""),
-        task_id=str(headers.get("id") or ""),
-        args=args if isinstance(args, list) else None,
-        kwargs=kwargs if isinstance(kwargs, dict) else None,
-        decoded=message,
-    )

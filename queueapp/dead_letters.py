@@ -30,7 +30,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -38,9 +38,8 @@ from broker_ext.messages import split_task_message_id, task_message_id
 from broker_ext.records import MessageState, Place
 from broker_ext.signals import DeadLetterNotice
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel, queue_of
 from queueapp.models import TaskDelivery, TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.reports import queue_of
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +125,18 @@ def record(notices: Iterable[DeadLetterNotice]) -> list[str]:
     return marked
 
 
+def on_message_dead_lettered(sender=None, notices=(), **_) -> None:
+    """The broker set messages aside in this process: their open outcome rows say *dead* at once.
+
+    If the database cannot be written now, the worker's reconciliation pass
+    (or ``manage.py reconcile``) records it later.
+    """
+    try:
+        record(notices)
+    except DatabaseError as exc:
+        logger.warning("could not record %d dead-lettered messages (reconciled later): %r", len(notices), exc)
+
+
 def candidates(outcome: TaskOutcome) -> list[str]:
     """The message ids that may carry an open row's key: its latest, and the retry it queued."""
     ids = []
@@ -158,7 +169,7 @@ def reconcile(app, *, limit: int = 1000) -> ReconcileReport:
     by_queue: dict[str, list[TaskOutcome]] = {}
     for outcome in rows:
         by_queue.setdefault(queue_of(outcome, app), []).append(outcome)
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         for name, group in by_queue.items():
             found = channel.fenced_queue(name).locate([mid for row in group for mid in candidates(row)])
             for outcome in group:

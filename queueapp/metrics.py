@@ -5,7 +5,7 @@ and the database at each scrape, into a registry of the request's own (the
 process's global registry is left alone, so a project that exports its own
 metrics sees no queueapp series appear in it).
 
-The broker is read through :func:`~queueapp.ops.connection.ops_channel`,
+The broker is read through :func:`~queueapp.broker_reads.bounded_channel`,
 bounded by ``OPS_BROKER_TIMEOUT``: with Redis stopped or paused, a scrape
 still answers within about that long, with the database's metrics and
 ``queueapp_broker_up 0``. A database that cannot be read gives
@@ -39,11 +39,11 @@ from prometheus_client.registry import Collector
 from broker_ext.consumers import read_consumers
 from broker_ext.records import QueueStats
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel, queue_names
 from queueapp.errors import BrokerUnavailable
+from queueapp.large_tables import large_table_estimate
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.large_tables import large_table_estimate
-from queueapp.ops.queues import configured_queues, known_queues, scanned_queues
+from queueapp.series import verdict_counts
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +145,7 @@ def database_counts() -> DatabaseCounts:
     using = conf.get("DATABASE")
     counts = DatabaseCounts()
     counts.outcomes = outcome_counts(using)
-    verdicts = [verdict for verdict, _, _ in VERDICT_COUNTERS]
-    rows = (
-        TaskDelivery.objects.using(using)
-        .filter(verdict__in=verdicts)
-        .values("queue", "verdict")
-        .annotate(n=Count("pk"))
-        .order_by()
-    )
-    for row in rows:
-        counts.verdicts[(row["queue"], row["verdict"])] = row["n"]
+    counts.verdicts = verdict_counts(verdict for verdict, _, _ in VERDICT_COUNTERS)
     pending = OutboxMessage.objects.using(using).filter(status=OutboxMessage.Status.PENDING)
     summary = pending.aggregate(n=Count("pk"), oldest=Min("created_at"))
     counts.outbox_pending = summary["n"] or 0
@@ -168,7 +159,7 @@ def outcome_counts(using: str) -> dict[str, int]:
 
     *succeeded* is nearly every row of a table that only grows; counting it
     exactly would read the whole table at every scrape and every sample. On a
-    PostgreSQL table above :data:`~queueapp.ops.large_tables.ESTIMATE_ABOVE`
+    PostgreSQL table above :data:`~queueapp.large_tables.ESTIMATE_ABOVE`
     rows (by the planner's estimate) it is the estimate less the other
     statuses, which are counted from the status index.
     """
@@ -185,14 +176,6 @@ def outcome_counts(using: str) -> dict[str, int]:
     return counts
 
 
-def queue_names(app, channel) -> list[str]:
-    """The known queues; without the database, the configured ones and those found in Redis."""
-    try:
-        return known_queues(app, channel)
-    except DatabaseError:
-        return sorted(configured_queues(app) | scanned_queues(channel))
-
-
 @dataclass
 class BrokerSnapshot:
     """Every queue's snapshot and the live consumers, read through one bounded operator connection."""
@@ -203,7 +186,7 @@ class BrokerSnapshot:
 
 def broker_snapshot(app) -> BrokerSnapshot:
     """Raises :class:`~queueapp.errors.BrokerUnavailable` when Redis cannot be read in time."""
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         stats = [channel.fenced_queue(name).stats() for name in queue_names(app, channel)]
         consumers = read_consumers(channel.fenced_client, prefix=channel.global_keyprefix)
     return BrokerSnapshot(stats, len(consumers))

@@ -4,7 +4,7 @@
 in the caller's transaction (so the publish exists exactly when the caller's
 writes do) and, once that transaction commits, tries to publish it at once.
 If Redis is unreachable then, the row stays *pending* and a relay publishes
-it later: the worker-side relay thread (:mod:`queueapp.signals`) or
+it later: the worker-side relay thread (:mod:`queueapp.worker_threads`) or
 ``manage.py relay_outbox``.
 
 Relaying is idempotent: each row carries a fixed Celery task id, and the

@@ -7,8 +7,8 @@ from django.db.models import Q
 from django.utils.translation import gettext_lazy as _
 
 from queueapp import conf
+from queueapp.large_tables import distinct_values
 from queueapp.models import TaskOutcome
-from queueapp.ops.large_tables import distinct_values
 from queueapp.ops.reports import duplicated_filter, stuck_filter
 
 #: Most distinct task names / queues a filter lists (the search box finds the rest).

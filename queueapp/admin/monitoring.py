@@ -7,7 +7,7 @@ broker's part.
 
 The charts are drawn in the browser by uPlot (MIT, vendored under
 ``static/queueapp/vendor/uplot/`` with its license: no CDN, works offline)
-from the series of :mod:`queueapp.ops.series`, embedded in the page as JSON.
+from the series of :mod:`queueapp.series`, embedded in the page as JSON.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 from django.core.exceptions import PermissionDenied
 from django.utils.translation import gettext as _
 
-from queueapp import conf
+from queueapp import conf, series
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops import series, workers
+from queueapp.ops import workers
 
 
 class MonitoringPagesMixin:

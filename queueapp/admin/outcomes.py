@@ -20,18 +20,18 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 
 from broker_ext.records import Place
+from queueapp.admin.changelists import LargeTableAdmin
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
-from queueapp.admin.large_tables import LargeTableAdmin
 from queueapp.admin.pages import OpsPagesMixin
 from queueapp.admin.readonly import ReadOnlyAdmin
-from queueapp.broker import describe_payload
+from queueapp.broker_reads import bounded_channel, queue_of
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskDelivery, TaskOutcome
 from queueapp.ops import actions
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.reports import broker_states, message_id_of, queue_of
+from queueapp.ops.payloads import describe_payload
+from queueapp.ops.reports import broker_states, message_id_of
 
 Status = TaskOutcome.Status
 
@@ -179,7 +179,7 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadO
             rows = list(changelist.result_list)  # evaluated once: the template iterates these objects
             app = self.celery_app()
             try:
-                with ops_channel(app) as channel:
+                with bounded_channel(app) as channel:
                     states = broker_states(app, rows, channel)
             except BrokerUnavailable as exc:
                 context["broker_outage"] = str(exc)
@@ -279,7 +279,7 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadO
             return
         app = self.celery_app()
         try:
-            with ops_channel(app) as channel:
+            with bounded_channel(app) as channel:
                 queue = channel.fenced_queue(queue_of(outcome, app))
                 outcome.broker_state = queue.locate([message_id])[message_id]
                 if outcome.broker_state.in_broker:

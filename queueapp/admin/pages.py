@@ -16,11 +16,10 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.translation import gettext as _
 
-from queueapp import cache
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.monitoring import MonitoringPagesMixin
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops import actions, diagnosis, queues, rates, reports
+from queueapp.ops import actions, diagnosis, page_cache, queues, rates, reports
 
 DEAD_LETTER_FIELD = "message"
 #: The Queues page's counter columns, each with its rate (every counter is in ``queue_status --json``).
@@ -120,7 +119,7 @@ class OpsPagesMixin(MonitoringPagesMixin):
         url = str(app.conf.broker_url)
         rows, error, window = [], "", None
         try:
-            stats = cache.queue_stats(url, lambda: rates.observe(url, queues.queue_stats(app)))
+            stats = page_cache.queue_stats(url, lambda: rates.observe(url, queues.queue_stats(app)))
         except BrokerUnavailable as exc:
             stats, error = [], str(exc)
         if stats:

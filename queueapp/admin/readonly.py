@@ -5,8 +5,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.utils.translation import gettext_lazy as _
 
+from queueapp.admin.changelists import LargeTableAdmin
 from queueapp.admin.filters import QueueFilter
-from queueapp.admin.large_tables import LargeTableAdmin
 from queueapp.models import OutboxMessage
 
 

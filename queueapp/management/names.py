@@ -24,11 +24,10 @@ from collections.abc import Iterable, Sequence
 from django.core.management.base import CommandError
 
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel, known_queues
 from queueapp.errors import BrokerUnavailable
+from queueapp.large_tables import DISTINCT_LIMIT, distinct_values
 from queueapp.models import TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.large_tables import DISTINCT_LIMIT, distinct_values
-from queueapp.ops.queues import known_queues
 
 #: Most close matches an error names.
 SUGGESTIONS = 3
@@ -76,7 +75,7 @@ def check_queues(app, names: Sequence[str]) -> None:
     if all(name in known for name in names):
         return
     try:
-        with ops_channel(app) as channel:
+        with bounded_channel(app) as channel:
             known = set(known_queues(app, channel))
     except BrokerUnavailable as exc:
         raise broker_error(exc) from exc

@@ -22,7 +22,7 @@ The rules that keep the guarantees:
   row after. Either way a broker that stops answering mid-action leaves the
   row of the key it was working on as it was.
 - **An outage stops the action.** Every broker call goes through
-  :func:`~queueapp.ops.connection.ops_channel` (bounded by
+  :func:`~queueapp.broker_reads.bounded_channel` (bounded by
   ``OPS_BROKER_TIMEOUT``); once Redis fails mid-action, the rest of the
   selection is reported *failed, not tried* instead of each waiting for its
   own timeout, and what was done before the failure is reported done.
@@ -41,9 +41,9 @@ from broker_ext.errors import Reply
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
+from queueapp.broker_reads import BROKER_ERRORS, bounded_channel
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
-from queueapp.ops.connection import BROKER_ERRORS, ops_channel
 from queueapp.ops.reports import (
     BrokerMessage,
     broker_messages,
@@ -247,7 +247,7 @@ def requeue(
     """
     outcomes = list(outcomes)
     results = []
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
         for index, outcome in enumerate(outcomes):
             state = states.get(outcome.pk)
@@ -334,7 +334,7 @@ def mark_dead(
     outcomes = list(outcomes)
     results = []
     db = conf.get("DATABASE")
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
         for index, outcome in enumerate(outcomes):
             state = states.get(outcome.pk)
@@ -411,7 +411,7 @@ def requeue_dead_letters(
 ) -> list[ActionResult]:
     """Revive dead-lettered messages of ``queue`` (``message_ids``, or all of its dead-letter set)."""
     results = []
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         fenced = channel.fenced_queue(queue)
         if message_ids is None:
             message_ids = fenced.dead_ids()
@@ -463,7 +463,7 @@ def requeue_outcomes_dead_letters(
 ) -> list[ActionResult]:
     """The changelist's *requeue dead-lettered*: revive the selected keys' messages that are dead-lettered."""
     outcomes = list(outcomes)
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         states = broker_states(app, outcomes, channel)
     by_queue: dict[str, list[str]] = {}
     results = []

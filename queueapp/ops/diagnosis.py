@@ -15,7 +15,7 @@ read from what was recorded, never guessed. The records are:
 
 :func:`diagnose` is a pure function from those records to sentences, so each
 cause is tested with real rows; :func:`diagnose_outcomes` reads the records
-(the broker through :func:`~queueapp.ops.connection.ops_channel`, bounded)
+(the broker through :func:`~queueapp.broker_reads.bounded_channel`, bounded)
 and says so when the broker could not be read: the sentences then give what
 the database knows.
 """
@@ -31,10 +31,10 @@ from django.utils import timezone
 
 from broker_ext.records import MessageState, Place, ReclaimEntry, RequeueEntry
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel, queue_of
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.reports import DEDUP_KEY_PREFIX, broker_states, queue_of
+from queueapp.ops.reports import DEDUP_KEY_PREFIX, broker_states
 
 Verdict = TaskDelivery.Verdict
 
@@ -482,7 +482,7 @@ def _broker_records(app, outcomes: list[TaskOutcome], logs: dict[int, list[TaskD
     records = {o.pk: BrokerRecords() for o in outcomes}
     by_key = {o.idempotency_key: o.pk for o in outcomes}
     try:
-        with ops_channel(app) as channel:
+        with bounded_channel(app) as channel:
             for pk, state in broker_states(app, outcomes, channel).items():
                 records[pk].live = state
             for name, message_ids in wanted.items():

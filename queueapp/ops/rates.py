@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from broker_ext.records import QueueStats
-from queueapp import cache
+from queueapp.ops import page_cache
 
 #: Seconds a snapshot stays the "previous" one for the next.
 RATE_MEMORY = 3600
@@ -48,7 +48,7 @@ def _key(broker_url: str) -> str:
 
 
 def _load(key: str) -> dict | None:
-    stored = cache.get_value(key)
+    stored = page_cache.get_value(key)
     if stored is None:
         with _memory_lock:
             stored = _memory.get(key)
@@ -58,7 +58,7 @@ def _load(key: str) -> dict | None:
 def _store(key: str, value: dict) -> None:
     with _memory_lock:
         _memory[key] = value
-    cache.set_value(key, value, RATE_MEMORY)
+    page_cache.set_value(key, value, RATE_MEMORY)
 
 
 def _rates(

@@ -19,17 +19,16 @@ from django.utils import timezone
 from broker_ext.messages import task_message_id
 from broker_ext.records import MessageState
 from queueapp import conf
-from queueapp.broker import MessageInfo, describe_payload
+from queueapp.broker_reads import bounded_channel, known_queues, queue_of
 from queueapp.decorators import policy_of
 from queueapp.errors import BrokerUnavailable, IdempotencyKeyError
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
-from queueapp.ops.connection import ops_channel
-from queueapp.ops.queues import known_queues
+from queueapp.ops.payloads import MessageInfo, describe_payload
 
 Status = TaskOutcome.Status
 Verdict = TaskDelivery.Verdict
 
-#: The dedup key the exactly-once layer puts on a publish (see ``queueapp.signals``).
+#: The dedup key the exactly-once layer puts on a publish (see :mod:`queueapp.publishing`).
 DEDUP_KEY_PREFIX = "exactly-once:"
 
 
@@ -55,15 +54,6 @@ def stuck_filter(now: datetime | None = None) -> Q:
 def duplicated_filter() -> Q:
     """Outcome rows with a suppressed duplicate or a stale-token refusal (the *has duplicates* filter)."""
     return Q(suppressed_duplicates__gt=0) | Q(stale_refusals__gt=0)
-
-
-def default_queue(app) -> str:
-    return app.conf.task_default_queue or "celery"
-
-
-def queue_of(outcome: TaskOutcome, app) -> str:
-    """The queue an outcome's message lives in (its latest delivery's, else Celery's default)."""
-    return outcome.queue or default_queue(app)
 
 
 def message_id_of(outcome: TaskOutcome) -> str:
@@ -202,7 +192,7 @@ def stuck_report(app, *, limit: int | None = None, now: datetime | None = None) 
     )
     states: dict[int, MessageState] = {}
     try:
-        with ops_channel(app) as channel:
+        with bounded_channel(app) as channel:
             states = broker_states(app, running + overdue, channel)
             stuck_ms = int(stuck_after().total_seconds() * 1000)
             for name in known_queues(app, channel):
@@ -286,7 +276,7 @@ def duplicates_report(app, *, limit: int | None = None) -> DuplicatesReport:
     for entry in last:
         groups[entry["outcome__idempotency_key"]].last_at = entry["last"]
     try:
-        with ops_channel(app) as channel:
+        with bounded_channel(app) as channel:
             for name in known_queues(app, channel):
                 queue = channel.fenced_queue(name)
                 counters = queue.stats().counters

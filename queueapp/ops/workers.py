@@ -25,9 +25,9 @@ from django.db.models import Count
 from broker_ext.consumers import read_consumers
 from broker_ext.records import ConsumerRecord
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskOutcome
-from queueapp.ops.connection import ops_channel
 
 PIDBOX_SUFFIX = ".celery.pidbox"
 
@@ -131,7 +131,7 @@ def _split_held(held_id: str) -> tuple[str, str]:
 
 def read_workers(app) -> list[ConsumerRecord]:
     """Consumers reported in the last ten minutes. Raises :class:`~queueapp.errors.BrokerUnavailable`."""
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         client, prefix = channel.fenced_client, channel.global_keyprefix
         return read_consumers(client, prefix=prefix, silent_after_s=SHOWN_FOR_S)
 

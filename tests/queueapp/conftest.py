@@ -182,7 +182,7 @@ def outage_redis(settings, restartable_redis) -> Iterator:
     Yields ``(server, queue)``: the server (``stop()``, ``pause()``) and its fenced queue ``celery``.
     ``OPS_BROKER_TIMEOUT`` is 1 s, and the remembered outages are forgotten before and after.
     """
-    from queueapp.ops import connection
+    from queueapp import broker_reads
     from settings.celery import app
 
     settings.QUEUEAPP = {**(getattr(settings, "QUEUEAPP", None) or {}), "OPS_BROKER_TIMEOUT": 1.0}
@@ -191,10 +191,10 @@ def outage_redis(settings, restartable_redis) -> Iterator:
     }
     reset_connections(app)
     app.conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
-    connection._outages.clear()
+    broker_reads._outages.clear()
     yield restartable_redis, FencedQueue(restartable_redis.client(), "celery")
     restartable_redis.resume()
-    connection._outages.clear()
+    broker_reads._outages.clear()
     reset_connections(app)
 
 

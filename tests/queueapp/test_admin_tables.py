@@ -13,9 +13,9 @@ from django.urls import reverse
 
 from broker_ext.records import OutgoingMessage, QueueStats
 from broker_ext.signals import message_dead_lettered
+from queueapp.dead_letters import on_message_dead_lettered
 from queueapp.models import TaskOutcome
 from queueapp.ops import rates
-from queueapp.signals import on_message_dead_lettered
 from tests.queueapp import scenarios
 
 pytestmark = [

@@ -1,10 +1,10 @@
 """In headless Chromium: the Charts page draws the queues' series, the Workers page shows a real worker.
 
 The Charts page gets an hour of samples: 59 written in the sampler's own
-format by :func:`queueapp.ops.series.store` (a made-up morning's load on
+format by :func:`queueapp.series.store` (a made-up morning's load on
 ``celery`` and ``reports``, one a minute), then the real ones: the sample a
 real ``celery -A settings worker`` takes when it starts (its sampler thread),
-and one taken through :func:`queueapp.ops.series.sample` after the worker ran
+and one taken through :func:`queueapp.series.sample` after the worker ran
 two publishes of one key (one run, one suppressed duplicate). The test reads
 back the uPlot instances the page drew and checks their points.
 
@@ -23,8 +23,9 @@ import pytest
 from django.urls import reverse
 
 from lab.processes import wait_for
+from queueapp import series
 from queueapp.models import TaskOutcome
-from queueapp.ops import series, workers
+from queueapp.ops import workers
 from tests.queueapp import demo_tasks
 
 pytestmark = [

@@ -21,7 +21,8 @@ from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import register
 from lab.processes import wait_for
 from lab.redis_servers import free_port
-from queueapp.ops import series, workers
+from queueapp import series
+from queueapp.ops import workers
 from tests.helpers import reset_connections
 from tests.queueapp import scenarios
 
@@ -224,15 +225,15 @@ TIMEOUT = 0.5
 @pytest.fixture
 def own_redis(settings, restartable_redis):
     """The project's Celery app on a Redis of this test alone, which the test pauses."""
-    from queueapp.ops import connection
+    from queueapp import broker_reads
 
     settings.QUEUEAPP = {"OPS_BROKER_TIMEOUT": TIMEOUT}
     reset_connections(app())
     app().conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
-    connection._outages.clear()
+    broker_reads._outages.clear()
     yield restartable_redis
     restartable_redis.resume()
-    connection._outages.clear()
+    broker_reads._outages.clear()
     reset_connections(app())
 
 

@@ -148,7 +148,7 @@ def test_a_transaction_left_open_between_two_tasks_is_closed_not_kept(effects):
     """A leaked ``atomic`` block must not carry the next deliveries' commits: its connection is closed."""
     from django.db import DatabaseError
 
-    from queueapp.signals import on_task_boundary
+    from queueapp.delivery_rules import on_task_boundary
 
     leaked = transaction.atomic()
     leaked.__enter__()

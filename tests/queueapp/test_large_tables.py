@@ -1,4 +1,4 @@
-"""Ops reads of the outcome and delivery tables that do not read every row (queueapp/ops/large_tables.py).
+"""Ops reads of the outcome and delivery tables that do not read every row (queueapp/large_tables.py).
 
 Each read is compared with Django's own answer on the same rows; on
 PostgreSQL the changelist is also shown to send no query that reads the
@@ -20,10 +20,9 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from queueapp import metrics
+from queueapp import large_tables, metrics
+from queueapp.large_tables import EstimatedCountPaginator, distinct_values, probed_dates
 from queueapp.models import TaskDelivery, TaskOutcome
-from queueapp.ops import large_tables
-from queueapp.ops.large_tables import EstimatedCountPaginator, distinct_values, probed_dates
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
 

@@ -19,9 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
-from queueapp import metrics
+from queueapp import broker_reads, metrics
 from queueapp.models import OutboxMessage, TaskDelivery, TaskOutcome
-from queueapp.ops import connection
 from tests.helpers import reset_connections
 from tests.queueapp import scenarios
 
@@ -157,10 +156,10 @@ def own_redis(settings, restartable_redis):
     settings.QUEUEAPP = {"OPS_BROKER_TIMEOUT": TIMEOUT}
     reset_connections(app)
     app.conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
-    connection._outages.clear()
+    broker_reads._outages.clear()
     yield restartable_redis
     restartable_redis.resume()
-    connection._outages.clear()
+    broker_reads._outages.clear()
     reset_connections(app)
 
 
@@ -191,7 +190,7 @@ def test_the_queue_list_reads_each_queue_name_once_not_one_row_per_outcome(queue
     from django.db import connection as db
     from django.test.utils import CaptureQueriesContext
 
-    from queueapp.ops.queues import known_queues
+    from queueapp.broker_reads import known_queues
     from settings.celery import app
 
     TaskOutcome.objects.bulk_create(

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from lab.redis_servers import RedisServer
+from queueapp import broker_reads
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops import connection, queues
+from queueapp.ops import queues
 
 TIMEOUT = 0.5
 
@@ -23,10 +24,10 @@ def own_redis(settings, restartable_redis: RedisServer):
     reset_connections(app)
     previous = app.conf.broker_url
     app.conf.broker_url = f"fenced://127.0.0.1:{restartable_redis.port}/0"
-    connection._outages.clear()
+    broker_reads._outages.clear()
     yield app, restartable_redis
     restartable_redis.resume()
-    connection._outages.clear()
+    broker_reads._outages.clear()
     app.conf.broker_url = previous
     reset_connections(app)
 
@@ -73,7 +74,7 @@ def test_the_broker_is_read_again_once_it_answers(own_redis) -> None:
             return False
 
     wait_for(answers)
-    assert connection.current_outage(f"127.0.0.1:{server.port}") is None
+    assert broker_reads.current_outage(f"127.0.0.1:{server.port}") is None
 
 
 @pytest.mark.django_db

@@ -9,9 +9,9 @@ from celery import current_app
 from django.core.management.base import BaseCommand, CommandError
 
 from queueapp import conf
+from queueapp.broker_reads import bounded_channel
 from queueapp.errors import BrokerUnavailable
 from queueapp.management.names import broker_error
-from queueapp.ops.connection import ops_channel
 from queueapp.outbox import pending, relay_outbox
 
 
@@ -67,7 +67,7 @@ class Command(BaseCommand):
         A single run stops with the error; ``--loop`` says it on stderr and tries again next interval.
         """
         try:
-            with ops_channel(current_app._get_current_object()) as channel:
+            with bounded_channel(current_app._get_current_object()) as channel:
                 channel.fenced_client.ping()
         except BrokerUnavailable as exc:
             if not loop:

@@ -14,13 +14,12 @@ from django.core.management.base import BaseCommand, CommandError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from queueapp.broker_reads import bounded_channel, known_queues
 from queueapp.errors import BrokerUnavailable
 from queueapp.management.commands.diagnose import write_diagnosis
 from queueapp.management.names import broker_error, check_keys, check_queues, check_task
 from queueapp.ops import actions
-from queueapp.ops.connection import ops_channel
 from queueapp.ops.diagnosis import diagnose_outcomes
-from queueapp.ops.queues import known_queues
 from queueapp.ops.selection import STATUS_CHOICES, parse_duration, select_outcomes
 
 #: Runs of at least this many keys or messages show a progress bar (on stderr).
@@ -108,7 +107,7 @@ class Command(BaseCommand):
         self._report(results, dry_run=options["dry_run"], as_json=options["as_json"], diagnoses=diagnoses)
 
     def _dead_lettered(self, app, queue: str | None, dry_run: bool) -> list[actions.ActionResult]:
-        with ops_channel(app) as channel:
+        with bounded_channel(app) as channel:
             names = [queue] if queue else known_queues(app, channel)
             total = sum(channel.fenced_queue(name).stats().dead for name in names)
         with self._progress(total, "requeueing dead letters") as tick:

@@ -8,7 +8,7 @@ from celery import current_app
 from django.core.management.base import BaseCommand, CommandError
 
 from queueapp.errors import BrokerUnavailable
-from queueapp.ops.series import DEPTHS, sample
+from queueapp.series import DEPTHS, sample
 
 
 class Command(BaseCommand):

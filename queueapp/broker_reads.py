@@ -1,9 +1,11 @@
-"""The operator tools' connection to the fenced broker: bounded in time, and honest about an outage.
+"""Reading the fenced broker within a bound, and which queues there are.
 
-The admin and the management commands are opened when Redis misbehaves, so
-their reads must never hang and never turn an outage into an HTTP 500:
+The admin, ``/metrics``, the management commands and the workers' periodic
+passes (the dead-letter reconciliation, the queue sampler) read Redis when
+it may misbehave, so their reads must never hang and never turn an outage
+into an HTTP 500:
 
-* every operator read goes through :func:`ops_channel`, a connection of its own
+* every such read goes through :func:`bounded_channel`, a connection of its own
   (not the app's pool, whose sockets may be stuck on a paused Redis) with
   ``socket_timeout`` and ``socket_connect_timeout`` of ``OPS_BROKER_TIMEOUT``
   and no command retries, so a stopped or paused Redis answers in about that
@@ -15,8 +17,13 @@ their reads must never hang and never turn an outage into an HTTP 500:
   (a page with five broker columns waits once, not five times), and the
   message says since when the broker has been unreachable.
 
-Workers do not use this: their deferrals keep retrying through the app's pool
-(:func:`queueapp.broker.fenced_channel`).
+A worker's deferral does not use this: it keeps retrying through the app's
+pool (:func:`queueapp.broker.fenced_channel`).
+
+A queue is known when Celery is configured with it, when an outcome row names
+it, or when its ``stats`` hash exists in Redis (found by a ``SCAN`` bounded by
+``QUEUE_SCAN_LIMIT``, so queues nobody configured still show up). Pidbox reply
+queues of ``celery inspect`` / ``control`` are left out: they are transient.
 """
 
 from __future__ import annotations
@@ -29,10 +36,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import redis.exceptions
+from django.db import DatabaseError
 from kombu.exceptions import OperationalError
 
+from broker_ext.queue import scan_queue_names
 from queueapp import conf
 from queueapp.errors import BrokerUnavailable
+from queueapp.large_tables import DISTINCT_LIMIT, distinct_values
+from queueapp.models import TaskOutcome
 
 #: What a lost, refused or hung Redis raises on an open connection or while connecting.
 BROKER_ERRORS = (
@@ -69,7 +80,7 @@ _outages_lock = threading.Lock()
 
 
 def broker_timeout() -> float:
-    """Seconds an operator read waits for Redis (``QUEUEAPP["OPS_BROKER_TIMEOUT"]``)."""
+    """Seconds a bounded read waits for Redis (``QUEUEAPP["OPS_BROKER_TIMEOUT"]``)."""
     return float(conf.get("OPS_BROKER_TIMEOUT"))
 
 
@@ -132,8 +143,8 @@ def _connect(app, timeout: float):
 
 
 @contextmanager
-def ops_channel(app) -> Iterator:
-    """A fenced channel of ``app``'s broker for one operator read or action, bounded in time.
+def bounded_channel(app) -> Iterator:
+    """A fenced channel of ``app``'s broker for one read or action, bounded in time.
 
     Raises :class:`~queueapp.errors.BrokerUnavailable` when the broker cannot
     be reached, stops answering inside the ``with`` block, or is not
@@ -164,3 +175,48 @@ def ops_channel(app) -> Iterator:
         _forget_failure(address)
     finally:
         connection.release()
+
+
+_TRANSIENT_SUFFIX = ".reply.celery.pidbox"
+
+
+def default_queue(app) -> str:
+    return app.conf.task_default_queue or "celery"
+
+
+def queue_of(outcome: TaskOutcome, app) -> str:
+    """The queue an outcome's message lives in (its latest delivery's, else Celery's default)."""
+    return outcome.queue or default_queue(app)
+
+
+def configured_queues(app) -> set[str]:
+    """The queues Celery is configured with: ``task_queues`` and the default queue."""
+    names = {default_queue(app)}
+    for queue in app.conf.task_queues or ():
+        name = getattr(queue, "name", queue)
+        if isinstance(name, str) and name:
+            names.add(name)
+    return names
+
+
+def scanned_queues(channel, limit: int | None = None) -> set[str]:
+    """Queues with a ``stats`` hash in Redis, looking at no more than ``limit`` keys."""
+    limit = limit if limit is not None else int(conf.get("QUEUE_SCAN_LIMIT"))
+    return scan_queue_names(channel.fenced_client, prefix=channel.global_keyprefix, limit=limit)
+
+
+def known_queues(app, channel=None) -> list[str]:
+    """Every queue ops should see, sorted: configured, named by an outcome, or found in Redis."""
+    names = configured_queues(app)
+    names.update(distinct_values(TaskOutcome, "queue", using=conf.get("DATABASE"), limit=DISTINCT_LIMIT))
+    if channel is not None:
+        names.update(scanned_queues(channel))
+    return sorted(name for name in names if not name.endswith(_TRANSIENT_SUFFIX))
+
+
+def queue_names(app, channel) -> list[str]:
+    """The known queues; without the database, the configured ones and those found in Redis."""
+    try:
+        return known_queues(app, channel)
+    except DatabaseError:
+        return sorted(configured_queues(app) | scanned_queues(channel))

@@ -22,9 +22,11 @@ import math
 from dataclasses import dataclass, field
 
 from django.db import DatabaseError
+from django.db.models import Count
 
 from queueapp import conf
-from queueapp.ops.connection import ops_channel
+from queueapp.broker_reads import bounded_channel, queue_names
+from queueapp.models import TaskDelivery
 
 #: Per queue, in this order in each sample: depths, then cumulative counters.
 DEPTHS = ("ready", "leased", "delayed", "dead")
@@ -53,19 +55,28 @@ def max_samples() -> int:
     return math.ceil(float(conf.get("SERIES_RETENTION")) / max(interval, 1.0)) + 10
 
 
-def _verdict_counts() -> dict[str, list[int]] | None:
-    from queueapp.metrics import database_counts
-    from queueapp.models import TaskDelivery
+def verdict_counts(verdicts) -> dict[tuple[str, str], int]:
+    """Delivery log rows with each of ``verdicts``, by (queue, verdict). Raises ``DatabaseError``."""
+    rows = (
+        TaskDelivery.objects.using(conf.get("DATABASE"))
+        .filter(verdict__in=list(verdicts))
+        .values("queue", "verdict")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+    return {(row["queue"], row["verdict"]): row["n"] for row in rows}
 
+
+def _absorbed_by_queue() -> dict[str, list[int]] | None:
+    """Per queue, the cumulative counts of :data:`VERDICTS`; ``None`` when the database cannot be read."""
+    wanted = {TaskDelivery.Verdict.SUPPRESSED_DUPLICATE: 0, TaskDelivery.Verdict.REFUSED_STALE: 1}
     try:
-        counts = database_counts()
+        counts = verdict_counts(wanted)
     except DatabaseError:
         return None
-    wanted = {TaskDelivery.Verdict.SUPPRESSED_DUPLICATE: 0, TaskDelivery.Verdict.REFUSED_STALE: 1}
     by_queue: dict[str, list[int]] = {}
-    for (queue, verdict), n in counts.verdicts.items():
-        if verdict in wanted:
-            by_queue.setdefault(queue, [0, 0])[wanted[verdict]] += n
+    for (queue, verdict), n in counts.items():
+        by_queue.setdefault(queue, [0, 0])[wanted[verdict]] += n
     return by_queue
 
 
@@ -75,16 +86,14 @@ def sample(app, *, force: bool = False) -> dict | None:
     ``force`` samples even so (``manage.py sample_queues``). Raises
     :class:`~queueapp.errors.BrokerUnavailable` when Redis cannot be read or written in time.
     """
-    from queueapp.metrics import queue_names
-
     interval = float(conf.get("SERIES_INTERVAL"))
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         client, prefix = channel.fenced_client, channel.global_keyprefix
         # The slot lasts a little under the interval, so that a sampler waking slightly early gets its turn.
         slot_ms = max(1, int(interval * 900))
         if not force and interval > 0 and not client.set(slot_key(prefix), "1", nx=True, px=slot_ms):
             return None  # Before any database read: N workers cost the database one sample's queries.
-        verdicts = _verdict_counts()
+        verdicts = _absorbed_by_queue()
         queues = {}
         for name in queue_names(app, channel):
             stats = channel.fenced_queue(name).stats()
@@ -142,7 +151,7 @@ class Series:
 
 def read_samples(app, window_s: float) -> list[dict]:
     """The stored samples of the last ``window_s`` seconds (by Redis server time), oldest first."""
-    with ops_channel(app) as channel:
+    with bounded_channel(app) as channel:
         client = channel.fenced_client
         seconds, _ = client.time()
         since_ms = (int(seconds) - int(window_s)) * 1000
@@ -210,5 +219,5 @@ def read_series(app, window: str = "hour", queue: str | None = None) -> Series:
 
 
 def sample_periodically(app) -> None:
-    """The worker thread's pass (:class:`queueapp.signals.PeriodicThread`)."""
+    """The worker thread's pass (:class:`queueapp.worker_threads.PeriodicThread`)."""
     sample(app)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from queueapp.ops.large_tables import EstimatedCountPaginator, probed_dates
+from queueapp.large_tables import EstimatedCountPaginator, probed_dates
 
 
 class LargeTableAdmin(admin.ModelAdmin):
-    """A changelist for a table of millions of rows (see :mod:`queueapp.ops.large_tables`).
+    """A changelist for a table of millions of rows (see :mod:`queueapp.large_tables`).
 
     The unfiltered count is PostgreSQL's estimate; the second count Django
     makes beside a filtered one ("3 results (40,000,000 total)") and the
