@@ -146,7 +146,7 @@ class Command(BaseCommand):
             self.stdout.write(f"not moved: list {name!r}, which no binding names (give it with --queue)")
         moved = sum(move.moved for move in report.queues.values())
         verb = "would move" if report.dry_run else "moved"
-        summary = f"{moved} {verb}, {report.left} stay in the stock keys"
+        summary = f"{moved} {verb}, {report.left} {'stays' if report.left == 1 else 'stay'} in the stock keys"
         self.stdout.write(self.style.SUCCESS(summary) if not report.left else summary)
 
 
