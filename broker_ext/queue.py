@@ -393,6 +393,11 @@ class FencedQueue:
         end = -1 if limit is None else limit - 1
         return [_text(i) for i in self.client.zrange(self.keys.dead, 0, end)]
 
+    def delayed_ids(self, limit: int) -> list[tuple[str, int]]:
+        """Delayed ids with their due time (server ms), soonest first."""
+        entries = self.client.zrange(self.keys.delayed, 0, limit - 1, withscores=True)
+        return [(_text(message_id), int(score)) for message_id, score in entries]
+
     def _ids_scored_upto(self, key: str, upto_ms: int, limit: int) -> list[str]:
         return [_text(i) for i in self.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit)]
 

@@ -263,3 +263,35 @@ def test_a_worker_survives_its_redis_turning_replica_and_back(
     assert worker.alive(), worker.output(3000)
     record_run.delay(2)
     assert wait_for(lambda: record.llen("finished") == 2, timeout=60), worker.output(3000)
+
+
+@pytest.mark.parametrize("transport", ["stock", "fenced"])
+def test_inspect_scheduled_lists_a_countdown_task_on_both_transports(
+    celery_app, start_worker, record, redis_url, fenced_url, transport
+):
+    """Stock lists what a worker holds in memory; fenced lists what waits in its queue's delayed set."""
+    from tests.broker_ext.worker_app import record_run
+
+    url = redis_url if transport == "stock" else fenced_url
+    reset_connections(celery_app)
+    celery_app.conf.broker_url = url
+    start_worker(broker_url=url, name=f"scheduled-{transport}")
+    result = record_run.apply_async((7,), kwargs={"sleep": 0}, countdown=60, priority=3)
+    found: list[dict] = []
+
+    def listed() -> bool:
+        replies = celery_app.control.inspect(timeout=1).scheduled() or {}
+        found[:] = [
+            entry for name, entries in replies.items() if name.startswith("scheduled-") for entry in entries
+        ]
+        return bool(found)
+
+    assert wait_for(listed, timeout=30)
+    (entry,) = found
+    request = entry["request"]
+    assert (request["id"], request["name"], request["args"]) == (result.id, record_run.name, [7])
+    assert request["kwargs"] == {"sleep": 0} and request["hostname"].startswith(f"scheduled-{transport}@")
+    assert datetime.fromisoformat(entry["eta"]) > datetime.now(UTC) + timedelta(seconds=50)
+    if transport == "fenced":
+        assert entry["fenced"] == {"queue": "tests", "message_id": f"{result.id}.0"}
+    assert record.llen("runs") == 0
