@@ -30,16 +30,16 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError
 from django.db.models import Q
-from django.utils import timezone
 
 from broker_ext.messages import split_task_message_id, task_message_id
 from broker_ext.records import MessageState, Place
 from broker_ext.signals import DeadLetterNotice
 from queueapp import conf
 from queueapp.broker_reads import bounded_channel, queue_of
-from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.models import TaskOutcome
+from queueapp.records import Records
 
 logger = logging.getLogger(__name__)
 
@@ -70,37 +70,12 @@ def _names(outcome: TaskOutcome, message_id: str) -> bool:
 
 def _mark_dead(outcome: TaskOutcome, message_id: str, queue: str, reason: str) -> bool:
     """``outcome`` -> *dead* with ``reason``, unless it moved on since it was read."""
-    db = conf.get("DATABASE")
-    now = timezone.now()
-    with transaction.atomic(using=db):
-        marked = (
-            TaskOutcome.objects.using(db)
-            .filter(pk=outcome.pk, status=outcome.status, fence_token=outcome.fence_token)
-            .update(
-                status=Status.DEAD,
-                error=f"dead-lettered by the broker: {reason}",
-                message_id=message_id[:255],
-                lease_deadline=None,
-                finished_at=now,
-                updated_at=now,
-            )
-        )
-        if marked:
-            TaskDelivery.objects.using(db).create(
-                outcome_id=outcome.pk,
-                fence_token=outcome.fence_token,
-                verdict=TaskDelivery.Verdict.DEAD_LETTERED,
-                detail=reason,
-                task_id=split_task_message_id(message_id)[0][:255],
-                message_id=message_id[:255],
-                queue=queue[:255],
-                started_at=now,
-                finished_at=now,
-            )
+    task_id = split_task_message_id(message_id)[0]
+    marked = Records().mark_dead(outcome, task_id=task_id, message_id=message_id, queue=queue, reason=reason)
     if marked:
         logger.warning("%s [%s] is dead: its message %s was dead-lettered (%s)",
                        outcome.task_name, outcome.idempotency_key, message_id, reason)  # fmt: skip
-    return bool(marked)
+    return marked
 
 
 def record(notices: Iterable[DeadLetterNotice]) -> list[str]:

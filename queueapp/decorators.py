@@ -28,7 +28,6 @@ from typing import Any, overload
 
 from celery import Task
 from celery._state import _get_active_apps, connect_on_app_finalize, get_current_task
-from celery.exceptions import Reject
 from celery.local import PromiseProxy, Proxy
 
 from queueapp.delivery import current_delivery
@@ -92,19 +91,13 @@ def _install_accessors(task_class: type) -> None:
 
 
 def _run(task, policy: ExactlyOncePolicy, body: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
-    request = task.request
-    if request.id is None:
-        # Called as a plain function (``task(...)``): no delivery, nothing to deduplicate.
+    if task.request.called_directly:
+        # Called as a plain function (``task(...)``): no delivery, nothing to deduplicate. A message
+        # whose id is missing is a delivery all the same, and is refused as such.
         return body()
-    from queueapp.execution import execute  # Needs the models: import once the apps are ready.
+    from queueapp import execution  # Needs the models: imported once the apps are ready.
 
-    try:
-        key = policy.key_for(args, kwargs, request.id)
-    except IdempotencyKeyError as exc:
-        # Redelivering cannot fix the arguments: set the message aside with the reason.
-        logger.error("%s[%s] rejected: %s", task.name, request.id, exc)
-        raise Reject(str(exc), requeue=False) from exc
-    return execute(task, key, body, args, kwargs)
+    return execution.run(task, policy, body, args, kwargs)
 
 
 def _wrap_function(fun: Callable, policy: ExactlyOncePolicy) -> Callable:
@@ -129,7 +122,7 @@ def ack_only_with_a_verdict(task: Task) -> None:
     """Make the worker keep every delivery of ``task`` in the broker unless its key has a verdict.
 
     Whatever returns or raises from the task itself is already safe to ack (see
-    :func:`queueapp.execution.execute`). What the task never sees is decided by
+    :mod:`queueapp.execution`). What the task never sees is decided by
     the worker's main process: an early ack (``acks_late`` off) would drop the
     message before it ran, a hard time limit is acked by default
     (``task_acks_on_failure_or_timeout``), and a pool process that died is

@@ -3,7 +3,7 @@
 The fenced transport puts the delivery's fencing token and count into the
 message properties, which Celery copies to ``task.request.properties``. The
 stock ``redis://`` transport and eager mode carry none: the commit rule then
-falls back to a database-side counter (see :mod:`queueapp.ledger`).
+falls back to a database-side counter (``sql/include/claimed_token.sql`` in :mod:`queueapp.records`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from broker_ext.messages import delivery_of, task_message_id
 from broker_ext.records import Delivery
+from queueapp.errors import MalformedDelivery
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,25 @@ class DeliveryInfo:
 
     @classmethod
     def from_request(cls, request, task_name: str) -> DeliveryInfo:
-        """Read a Celery request (``task.request``) into a :class:`DeliveryInfo`."""
+        """Read a Celery request (``task.request``); :class:`MalformedDelivery` names what is wrong in it."""
+        task_id, retries = request.id, getattr(request, "retries", 0)
+        if not isinstance(task_id, str) or not task_id:
+            raise MalformedDelivery(f"task message of {task_name} without a usable id: {task_id!r}")
+        if retries is None:
+            retries = 0
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise MalformedDelivery(
+                f"task message {task_id} of {task_name}: its retries header is {retries!r}, not a whole "
+                "number >= 0"
+            )
         properties = getattr(request, "properties", None) or {}
         delivery_info = getattr(request, "delivery_info", None) or {}
-        broker = delivery_of(properties)
-        retries = int(getattr(request, "retries", 0) or 0)
-        task_id = str(request.id)
+        try:
+            broker = delivery_of(properties)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedDelivery(
+                f"task message {task_id}: fenced properties unreadable ({exc!r})"
+            ) from exc
         return cls(
             task_id=task_id,
             task_name=task_name,

@@ -28,17 +28,12 @@ class DeliveryRefused(QueueappError):
         self.detail = detail
 
 
-class BodyFailed(QueueappError):
-    """Raised when a held body (or its success) raised: rolled back, nothing written.
+class MalformedDelivery(QueueappError):
+    """Raised when a task message cannot be run under the commit rule as it is (a header, its arguments).
 
-    Internal control flow of :mod:`queueapp.held`; ``held`` is the
-    claim its check decided, ``error`` what the body or the success raised.
+    Delivering it again cannot fix it: the worker rejects it without requeue,
+    and the broker dead-letters it with this message as the reason.
     """
-
-    def __init__(self, held, error: Exception) -> None:
-        super().__init__(f"the body of {held.key} raised {error!r}")
-        self.held = held
-        self.error = error
 
 
 class OutboxError(QueueappError):

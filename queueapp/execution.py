@@ -1,21 +1,24 @@
-"""One delivery of an exactly-once task, from the cache check to the committed success.
+"""One delivery of an exactly-once task, from Celery's request to its verdict: the commit rule's skeleton.
 
-The order matters and is the guarantee:
+A delivery goes down once:
 
-1. the cache may say the key already succeeded: suppressed, no row lock;
-2. :func:`queueapp.ledger.claim` decides under the row lock: suppressed
-   (succeeded / dead), outranked (the database saw a token at least as high:
-   the delivery is given back to the broker with a higher token floor, never
-   committed and never acked away), or claimed (marked running with its token);
-3. :func:`queueapp.ledger.commit` runs the body and commits its writes with
-   the success, conditional on the token, or rolls everything back.
-
-Steps 2 and 3 are one transaction (:mod:`queueapp.held`) for a fenced
-delivery whose row the common claim matches: every one on SQLite (under the
-database's write lock), the first delivery of its message on PostgreSQL. A
-body that raises there is rolled back whole, and its failure, or a success
-the row no longer allowed, is recorded by a claim made after
-(:func:`_held_failed`).
+1. :func:`run` reads it from Celery's request and keys it by the task's
+   arguments. A message that cannot be read as it is (a malformed header, a
+   key the decorator refuses) is rejected without requeue, with the reason,
+   which the broker keeps as its dead-letter reason.
+2. The cache may say the key already succeeded: a suppressed duplicate, no
+   database.
+3. :func:`_deliver` checks or claims the key (:class:`~queueapp.records.Records`),
+   runs the body and writes the success in the body's transaction,
+   conditional on the claim, and sends every way out through one failure
+   path (:func:`_failed`). Its parameter ``claim_first`` says whether the key
+   claim commits before the body: for a redelivery (an earlier delivery of its
+   message may still run, and must find a newer token at its success), a
+   retry (its committed claim tells a redelivered older attempt it was
+   superseded), a delivery without a broker token, ``RECORD_RUNNING``, or a
+   database that allows no other (see ``Records.holds_claims``). Otherwise the
+   claim is only checked, and written with the success: one commit for the
+   body's writes, the claim and the success.
 
 Celery's ``self.retry()`` and ``autoretry_for`` are attempts of the same key:
 the retry message carries the same task id (the default key) or the same
@@ -28,21 +31,25 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 
-from queueapp import broker, cache, conf, held, ledger
+from queueapp import broker, cache, conf
 from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
-from queueapp.errors import BodyFailed, DeliveryRefused
+from queueapp.errors import DeliveryRefused, IdempotencyKeyError, MalformedDelivery
+from queueapp.records import KeyClaim, Outranked, Records, Status, Suppressed, Verdict, jsonable
 
 logger = logging.getLogger(__name__)
 
-Verdict = ledger.Verdict
-
 #: Errors of a database that is down or unreachable (not of a query that is wrong).
 DATABASE_GONE = (OperationalError, InterfaceError)
+
+#: Set on a body's exception that may be acked: its failure for good is in the database, or
+#: Celery's ``autoretry_for`` turns it into a retry, whose message carries the key on.
+ACKABLE = "_queueapp_ackable"
 
 
 def will_autoretry(task, exc: BaseException, retries: int) -> bool:
@@ -64,18 +71,19 @@ def will_autoretry(task, exc: BaseException, retries: int) -> bool:
     return max_retries is None or retries < max_retries
 
 
-#: Set on a body's exception that may be acked: its failure for good is in the database, or
-#: Celery's ``autoretry_for`` turns it into a retry, whose message carries the key on.
-ACKABLE = "_queueapp_ackable"
+def run(task, policy, body: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    """A worker's (or ``apply()``'s) delivery of an exactly-once task, read from ``task.request``."""
+
+    def read_and_execute() -> Any:
+        delivery = DeliveryInfo.from_request(task.request, task.name)
+        key = policy.key_for(args, kwargs, delivery.task_id)
+        return _execute(task, key, body, list(args), dict(kwargs), delivery)
+
+    return _guarded(task, task.request.id, read_and_execute)
 
 
 def execute(
-    task,
-    key: str,
-    body: Callable[[], Any],
-    args: tuple,
-    kwargs: dict,
-    delivery: DeliveryInfo | None = None,
+    task, key: str, body: Callable[[], Any], args: tuple, kwargs: dict, delivery: DeliveryInfo
 ) -> Any:
     """Run ``body`` for one delivery of ``task`` under the commit rule; returns the task's result.
 
@@ -83,20 +91,29 @@ def execute(
     or deferred delivery returns ``None``. Either way the delivery is acked
     normally: a deferred one was already requeued with a new token, so its
     late ack is refused by the broker as stale.
-
-    Whatever leaves this function is safe to ack, or says not to: an exception
-    goes out as itself only once its verdict is in the database (a failure for
-    good), as :class:`~celery.exceptions.Retry` (the retry message carries the
-    key on), or as a :class:`~celery.exceptions.Reject`; anything else (the
-    database or the broker gone while the verdict was written, a soft time
-    limit in the middle of it) becomes ``Reject(requeue=True)``, so Celery
-    never acks a delivery whose key has no verdict.
     """
-    delivery = delivery or DeliveryInfo.from_request(task.request, task.name)
+    return _guarded(task, key, lambda: _execute(task, key, body, list(args), dict(kwargs), delivery))
+
+
+def _guarded(task, key: Any, work: Callable[[], Any]) -> Any:
+    """Whatever leaves a delivery is safe to ack, or says not to.
+
+    An exception goes out as itself only once its verdict is in the database
+    (a failure for good), as :class:`~celery.exceptions.Retry` (the retry
+    message carries the key on), or as a :class:`~celery.exceptions.Reject`:
+    without requeue for a message that cannot run as it is (the broker
+    dead-letters it with the reason), with requeue for anything else (the
+    database or the broker gone while the verdict was written, a soft time
+    limit in the middle of it), so Celery never acks a delivery whose key has
+    no verdict.
+    """
     try:
-        return _execute(task, key, body, list(args), dict(kwargs), delivery)
+        return work()
     except (Reject, Retry):
         raise
+    except (MalformedDelivery, IdempotencyKeyError) as exc:
+        logger.error("%s[%s] rejected: %s", task.name, key, exc)
+        raise Reject(str(exc), requeue=False) from exc
     except Exception as exc:
         if getattr(exc, ACKABLE, False):
             raise
@@ -105,80 +122,209 @@ def execute(
         raise Reject(detail, requeue=True) from exc
 
 
-def first_of_its_own(key: str, delivery: DeliveryInfo) -> bool:
+@dataclass(frozen=True)
+class _Delivery:
+    """One delivery going through the skeleton: what each step needs."""
+
+    task: Any
+    key: str
+    body: Callable[[], Any]
+    args: list
+    kwargs: dict
+    delivery: DeliveryInfo
+    records: Records
+    cache_success: bool
+
+
+def cache_cannot_know(key: str, delivery: DeliveryInfo) -> bool:
     """A fenced first delivery whose key is its own task id: the cache can do nothing for it.
 
     Its key can only have succeeded if the same task id was published twice
-    (the claim then suppresses it from the database), so it skips the cache
+    (its claim then suppresses it from the database), so it skips the cache
     lookup, and its success is not cached at commit: only another delivery of
     the same message could ask, and the first one that does is answered by the
-    database, which caches the success for the next (see :func:`_execute`).
+    database, which caches the success for the next.
     """
     return delivery.fenced and delivery.delivery_count == 1 and key == delivery.task_id
 
 
 def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, delivery: DeliveryInfo):
-    uncached = first_of_its_own(key, delivery)
+    uncached = cache_cannot_know(key, delivery)
     cached = None if uncached else cache.succeeded(key)
     if cached is not None:
         _audit_cached_duplicate(task, key, delivery)
         return cached.result
-    failure = None
-    try:
-        result = held.NOT_HELD
-        if held.applies(conf.get("DATABASE"), delivery):
-            result = held.run(
-                key,
-                delivery,
-                body,
-                args=args,
-                kwargs=kwargs,
-                cache_success=not uncached,
-                running=lambda claim: _running(claim, delivery),
-            )
-    except BodyFailed as failed:
-        failure = failed
-    except DatabaseError as exc:
-        return _database_unavailable(task, key, delivery, exc)
-    if failure is not None:  # Out of the except clause: the body's error goes on as itself, unchained.
-        return _held_failed(task, failure, delivery, body, args, kwargs, cache_success=not uncached)
-    if result is not held.NOT_HELD:
-        return result
-    try:
-        decision = ledger.claim(
-            key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)
-        )
-    except DatabaseError as exc:
-        return _database_unavailable(task, key, delivery, exc)
-    if isinstance(decision, ledger.Claim):
-        return _run_claimed(task, decision, body, delivery, cache_success=not uncached)
-    return _not_claimed(task, key, delivery, decision)
+    records = Records()
+    step = _Delivery(task, key, body, args, kwargs, delivery, records, cache_success=not uncached)
+    return _deliver(step, claim_first=conf.get("RECORD_RUNNING") or not records.holds_claims(delivery))
 
 
-def _not_claimed(
-    task, key: str, delivery: DeliveryInfo, decision: ledger.Suppressed | ledger.Outranked
+def _deliver(step: _Delivery, *, claim_first: bool) -> Any:
+    """Check or claim the key, then the body and its conditional success in one transaction.
+
+    With ``claim_first`` the claim commits before the body; otherwise it is
+    only checked, and written with the success, which decides again (a check
+    that does not let it through sends the delivery to a claim made first).
+    """
+    records, delivery = step.records, step.delivery
+    failure: Exception | None = None
+    try:
+        with records.check_transaction(claim_first):
+            if claim_first:
+                decision = records.claim(
+                    step.key, delivery, args=step.args, kwargs=step.kwargs, lease_seconds=_lease(step)
+                )
+            else:
+                decision = records.check(step.key, delivery, args=step.args, kwargs=step.kwargs)
+            if isinstance(decision, KeyClaim):
+                try:
+                    with _running(decision, delivery):
+                        return commit(
+                            decision,
+                            step.body,
+                            records=records,
+                            cache_success=step.cache_success,
+                            just_claimed=True,
+                            transaction_open=not claim_first,
+                        )
+                except Exception as exc:  # Rolled back; decided below, outside the check's transaction.
+                    failure = exc
+    except DatabaseError as exc:
+        return _database_unavailable(step, exc)
+    if failure is not None:
+        return _failed(step, decision, failure)
+    if decision is None:
+        return _deliver(step, claim_first=True)
+    return _not_claimed(step, decision)
+
+
+def _lease(step: _Delivery) -> float:
+    return conf.lease_timeout(step.task.app)
+
+
+def commit(
+    claim: KeyClaim,
+    body: Callable[[], Any],
+    *,
+    records: Records | None = None,
+    cache_success: bool = True,
+    just_claimed: bool = False,
+    transaction_open: bool = False,
 ) -> Any:
-    """A delivery the database would not let run: a suppressed duplicate's stored result, or the deferral."""
-    if isinstance(decision, ledger.Outranked):
-        return _outranked(task, key, delivery, decision)
-    logger.info("suppressed duplicate of %s [%s]: key already %s", task.name, key, decision.status)
-    if decision.status == ledger.Status.SUCCEEDED:
-        cache.remember(key, decision.result)
+    """Run ``body`` and commit its writes together with the key's success, or not at all; its result.
+
+    The success is conditional (:meth:`~queueapp.records.Records.succeed`):
+    if the row no longer allows it, :class:`DeliveryRefused` rolls the body's
+    writes back. A claim that may have aged (``just_claimed`` false) is read
+    first: a delivery that can no longer commit does not run its body.
+    ``transaction_open``: the check's transaction (SQLite's, holding the write
+    lock) is the body's, so no savepoint is made.
+    """
+    records = records or Records()
+    with transaction.atomic(using=records.using, savepoint=not transaction_open):
+        if not just_claimed:
+            refused = records.refusal(claim)
+            if refused is not None:
+                raise refused
+        result = body()
+        stored = jsonable(result)
+        if not records.succeed(claim, stored):
+            refused = records.refusal(claim) if claim.committed else None
+            raise refused or DeliveryRefused(
+                Verdict.REFUSED_STALE, "the key's row changed while the body ran; nothing committed"
+            )
+        if cache_success:
+            transaction.on_commit(lambda: cache.remember(claim.key, stored), using=records.using)
+    return result
+
+
+def _not_claimed(step: _Delivery, decision: Suppressed | Outranked) -> Any:
+    """A delivery the key did not let run: a suppressed duplicate's stored result, or the deferral."""
+    if isinstance(decision, Outranked):
+        return _outranked(step, decision)
+    logger.info("suppressed duplicate of %s [%s]: key already %s", step.task.name, step.key, decision.status)
+    if decision.status == Status.SUCCEEDED:
+        cache.remember(step.key, decision.result)
         return decision.result
     return None
+
+
+def _failed(step: _Delivery, claim: KeyClaim, exc: Exception) -> Any:
+    """Every way out of a body or its success: a verdict recorded, the delivery given back, or raised.
+
+    A claim written with the success left nothing written: a success the row
+    no longer allowed is decided like a delivery arriving now (a claim made
+    first, under which the body runs again if the key is still its own), a
+    database that went away gives the delivery back (a claim now could count
+    a success that did land as a duplicate of itself), and any other failure
+    is recorded on a claim made now.
+    """
+    task, records, key = step.task, step.records, claim.key
+    if isinstance(exc, DeliveryRefused):
+        if not claim.committed:
+            return _deliver(step, claim_first=True)
+        logger.warning("delivery of %s [%s] refused, nothing committed: %s", task.name, key, exc.detail)
+        _record(records.refuse, claim, exc)
+        return None
+    if isinstance(exc, DATABASE_GONE):
+        # Whether a success landed is for the row to say: the delivery goes back, and the next one
+        # is suppressed or runs.
+        if claim.committed:
+            _record(records.fail, claim, exc, retrying=True)
+        return _database_unavailable(step, exc)
+    if not claim.committed:
+        try:
+            decision = records.claim(
+                key, step.delivery, args=step.args, kwargs=step.kwargs, lease_seconds=_lease(step)
+            )
+        except DatabaseError as db_exc:
+            logger.error("could not record the failure of %s [%s]: %r", task.name, key, db_exc)
+            return _database_unavailable(step, db_exc)
+        if not isinstance(decision, KeyClaim):
+            return _not_claimed(step, decision)
+        claim = decision
+    _record_and_raise(step, claim, exc)
+
+
+def _record_and_raise(step: _Delivery, claim: KeyClaim, exc: Exception) -> NoReturn:
+    """Record a body's failure on its committed claim, then raise what Celery must see."""
+    records = step.records
+    if isinstance(exc, Retry):
+        _record(records.fail, claim, exc, retrying=True)
+        raise exc
+    if isinstance(exc, Reject):
+        _record(records.fail, claim, exc, retrying=bool(exc.requeue))
+        raise exc
+    retrying = will_autoretry(step.task, exc, step.delivery.retries)
+    if not _record(records.fail, claim, exc, retrying=retrying) and not retrying:
+        raise Reject(f"the failure of {claim.key} could not be recorded: {exc!r}", requeue=True) from exc
+    setattr(exc, ACKABLE, True)
+    raise exc
+
+
+def _record(writer, *args, **kwargs) -> bool:
+    """Write a verdict without masking the exception being handled; whether it was written."""
+    try:
+        writer(*args, **kwargs)
+    except DatabaseError as exc:
+        logger.error("could not record the verdict of an exactly-once delivery: %r", exc)
+        return False
+    return True
 
 
 def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
     logger.info("suppressed duplicate of %s [%s] (cache): already succeeded", task.name, key)
     if conf.get("AUDIT_CACHED_DUPLICATES"):
         try:
-            ledger.record_cached_duplicate(key, delivery)
+            Records().log_not_run(
+                key, delivery, Verdict.SUPPRESSED_DUPLICATE, "key already succeeded (cache)"
+            )
         except DatabaseError as exc:
             logger.warning("could not log the cached duplicate of %s: %r", key, exc)
 
 
 @contextlib.contextmanager
-def _running(claim: ledger.Claim | held.HeldClaim, delivery: DeliveryInfo) -> Iterator[None]:
+def _running(claim: KeyClaim, delivery: DeliveryInfo) -> Iterator[None]:
     """The :class:`ExactlyOnceContext` of a claimed delivery, for its body to read."""
     reset = activate(
         ExactlyOnceContext(
@@ -196,95 +342,7 @@ def _running(claim: ledger.Claim | held.HeldClaim, delivery: DeliveryInfo) -> It
         deactivate(reset)
 
 
-def _run_claimed(
-    task, claim: ledger.Claim, body: Callable[[], Any], delivery: DeliveryInfo, *, cache_success: bool = True
-) -> Any:
-    """Run the body of a claimed delivery and commit; every way out leaves a verdict or gives it back."""
-    with _running(claim, delivery):
-        try:
-            return ledger.commit(claim, body, cache_success=cache_success, just_claimed=True)
-        except Exception as exc:
-            return _failed(task, claim, delivery, exc)
-
-
-def _held_failed(
-    task,
-    failed: BodyFailed,
-    delivery: DeliveryInfo,
-    body: Callable[[], Any],
-    args: list,
-    kwargs: dict,
-    *,
-    cache_success: bool,
-) -> Any:
-    """A held body (or its success) raised, nothing written: decide by a claim made now.
-
-    The claim is made as if it had been committed before the body. A body
-    that raised has its failure recorded on it; a database that went away
-    (in the body, or with the success's outcome unknown) gives the delivery
-    back instead, as a claim now could count a success that did land as a
-    duplicate of itself. A success the row no longer
-    allowed (:class:`DeliveryRefused`: the row changed while the body ran) is
-    decided like a delivery arriving now: suppressed or outranked like any
-    that came after the one that changed the row. If the claim is granted
-    after all (the body had changed its own row), the body runs again under
-    that committed claim: recording a refusal on the delivery's own claim
-    would leave its key *running* with its message acked.
-    """
-    key = failed.held.key
-    if isinstance(failed.error, DATABASE_GONE):
-        # The database went away in the body, or while the success ran alone (its outcome then
-        # unknown): nothing of this delivery is written, and the row decides on the next one.
-        return _database_unavailable(task, key, delivery, failed.error)
-    try:
-        decision = ledger.claim(
-            key, delivery, args=args, kwargs=kwargs, lease_seconds=conf.lease_timeout(task.app)
-        )
-    except DatabaseError as exc:
-        logger.error("could not record the failure of %s [%s]: %r", task.name, key, exc)
-        return _database_unavailable(task, key, delivery, exc)
-    if not isinstance(decision, ledger.Claim):
-        return _not_claimed(task, key, delivery, decision)
-    if isinstance(failed.error, DeliveryRefused):
-        return _run_claimed(task, decision, body, delivery, cache_success=cache_success)
-    return _failed(task, decision, delivery, failed.error)
-
-
-def _failed(task, claim: ledger.Claim, delivery: DeliveryInfo, exc: Exception) -> Any:
-    """Record why a claimed delivery did not commit; return, or raise what Celery must see."""
-    if isinstance(exc, DeliveryRefused):
-        logger.warning("delivery of %s [%s] refused, nothing committed: %s", task.name, claim.key, exc.detail)
-        _record(ledger.record_refusal, claim, exc)
-        return None
-    if isinstance(exc, Retry):
-        _record(ledger.record_failure, claim, exc, retrying=True)
-        raise exc
-    if isinstance(exc, DATABASE_GONE):
-        # The database went away while the body ran or committed. Whether the commit landed is
-        # for the row to say: the delivery goes back, and the next one is suppressed or runs.
-        _record(ledger.record_failure, claim, exc, retrying=True)
-        return _database_unavailable(task, claim.key, delivery, exc)
-    if isinstance(exc, Reject):
-        _record(ledger.record_failure, claim, exc, retrying=bool(exc.requeue))
-        raise exc
-    retrying = will_autoretry(task, exc, delivery.retries)
-    if not _record(ledger.record_failure, claim, exc, retrying=retrying) and not retrying:
-        raise Reject(f"the failure of {claim.key} could not be recorded: {exc!r}", requeue=True) from exc
-    setattr(exc, ACKABLE, True)
-    raise exc
-
-
-def _record(writer, *args, **kwargs) -> bool:
-    """Write a verdict without masking the exception being handled; whether it was written."""
-    try:
-        writer(*args, **kwargs)
-    except DatabaseError as exc:
-        logger.error("could not record the verdict of an exactly-once delivery: %r", exc)
-        return False
-    return True
-
-
-def _outranked(task, key: str, delivery: DeliveryInfo, outranked: ledger.Outranked) -> None:
+def _outranked(step: _Delivery, outranked: Outranked) -> None:
     """The database saw a token >= this delivery's: never commit, and never let the message go.
 
     A newer delivery of the same message makes this one stale: drop it. Any
@@ -292,27 +350,29 @@ def _outranked(task, key: str, delivery: DeliveryInfo, outranked: ledger.Outrank
     the same key was claimed later) gives the message back with a token floor
     above the database's, so its next delivery outranks everything seen.
     """
+    task, key, delivery = step.task, step.key, step.delivery
     floor = outranked.stored_token + 1
     deferral = broker.defer(task.app, delivery, token_floor=floor, delay=conf.get("DEFER_DELAY"))
+    log = step.records.log_not_run
     if deferral in (broker.Deferral.STALE, broker.Deferral.GONE):
         detail = f"token {delivery.token} <= {outranked.stored_token} and the broker has a newer delivery"
         logger.warning("stale delivery of %s [%s] refused: %s", task.name, key, detail)
-        _record(ledger.record_outranked, outranked, delivery, Verdict.REFUSED_STALE, detail)
+        _record(log, key, delivery, Verdict.REFUSED_STALE, detail)
         return None
     if deferral is broker.Deferral.DEFERRED:
         detail = f"token {delivery.token} <= {outranked.stored_token}: requeued with token floor {floor}"
         logger.warning("delivery of %s [%s] deferred: %s", task.name, key, detail)
-        _record(ledger.record_outranked, outranked, delivery, Verdict.DEFERRED, detail)
+        _record(log, key, delivery, Verdict.DEFERRED, detail)
         return None
     detail = (
         f"token {delivery.token} <= {outranked.stored_token}; broker unreachable: rejected for redelivery"
     )
     logger.warning("delivery of %s [%s] rejected: %s", task.name, key, detail)
-    _record(ledger.record_outranked, outranked, delivery, Verdict.DEFERRED, detail)
+    _record(log, key, delivery, Verdict.DEFERRED, detail)
     raise Reject(detail, requeue=True)
 
 
-def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseError) -> None:
+def _database_unavailable(step: _Delivery, exc: DatabaseError) -> None:
     """The database is unreachable (down, lock timeout): the delivery goes back, counted, with back-off.
 
     The wait doubles with each delivery of the message, up to ``DEFER_MAX_DELAY``;
@@ -322,6 +382,7 @@ def _database_unavailable(task, key: str, delivery: DeliveryInfo, exc: DatabaseE
     redelivery: never acked, so the message stays in the broker, leased until
     its lease runs out if even the reject cannot reach Redis.
     """
+    task, key, delivery = step.task, step.key, step.delivery
     floor = (delivery.token or 0) + 1
     delay = min(
         conf.get("DEFER_MAX_DELAY"), conf.get("DEFER_DELAY") * 2 ** ((delivery.delivery_count or 1) - 1)

@@ -34,6 +34,8 @@ from django.db.models import Max, Min, Model, QuerySet
 from django.utils import timezone
 from django.utils.functional import cached_property
 
+from queueapp.records.dialect import dialect_of
+
 #: Below this many rows (by the estimate) a count is exact: it costs little, and small tables are
 #: where a test, a demo or a new project looks.
 ESTIMATE_ABOVE = 100_000
@@ -51,7 +53,7 @@ def distinct_values(model: type[Model], field_name: str, *, using: str, limit: i
     """
     connection = connections[using]
     column = model._meta.get_field(field_name).column
-    if connection.vendor != "postgresql":
+    if not dialect_of(connection).reads_large_tables:
         values = (
             model._default_manager.using(using)
             .exclude(**{field_name: ""})
@@ -79,7 +81,7 @@ def distinct_values(model: type[Model], field_name: str, *, using: str, limit: i
 def estimated_rows(model: type[Model], *, using: str) -> int | None:
     """PostgreSQL's estimate of the table's rows (``None``: not PostgreSQL, or never analysed)."""
     connection = connections[using]
-    if connection.vendor != "postgresql":
+    if not dialect_of(connection).reads_large_tables:
         return None
     with connection.cursor() as cursor:
         table = connection.ops.quote_name(model._meta.db_table)
@@ -131,7 +133,7 @@ class ProbedDatesMixin:
 
     def datetimes(self, field_name: str, kind: str, order: str = "ASC", tzinfo: tzinfo | None = None):
         probed = kind in ("year", "month", "day") and order in ("ASC", "DESC") and settings.USE_TZ
-        if not probed or connections[self.db].vendor != "postgresql":
+        if not probed or not dialect_of(connections[self.db]).reads_large_tables:
             return super().datetimes(field_name, kind, order, tzinfo)
         bounds = self.aggregate(first=Min(field_name), last=Max(field_name))
         if bounds["first"] is None:

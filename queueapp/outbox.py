@@ -33,7 +33,8 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from queueapp import conf, ledger
+from queueapp import conf, queued
+from queueapp.decorators import policy_of
 from queueapp.errors import IdempotencyKeyError, OutboxError
 from queueapp.models import OutboxMessage
 
@@ -107,8 +108,6 @@ def enqueue_on_commit(task: Any, *args: Any, **kwargs: Any) -> str:
 
 def _record_queued(row: OutboxMessage, options: dict) -> None:
     """Create the key's outcome row as *queued* in the same transaction (exactly-once tasks only)."""
-    from queueapp.decorators import policy_of
-
     task = current_app.tasks.get(row.task_name)
     policy = policy_of(task) if task is not None else None
     if policy is None or not conf.get("RECORD_QUEUED"):
@@ -120,7 +119,7 @@ def _record_queued(row: OutboxMessage, options: dict) -> None:
     row.idempotency_key = key
     row.save(update_fields=["idempotency_key"])
     eta = parse_datetime(options["eta"]) if options.get("eta") else None
-    ledger.ensure_queued(
+    queued.record_now(
         key,
         row.task_name,
         args=row.args,

@@ -15,7 +15,7 @@ from django.db import DatabaseError
 from django.utils.dateparse import parse_datetime
 
 from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER
-from queueapp import conf, ledger, queued
+from queueapp import conf, queued
 from queueapp.decorators import policy_of
 from queueapp.outbox import RECORDED_HEADER
 
@@ -49,7 +49,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
     if conf.get("RECORD_QUEUED") and not recorded:
         eta = headers.get("eta")
-        record = queued.record if conf.get("QUEUED_WRITE_DELAY") else ledger.ensure_queued
+        record = queued.record if conf.get("QUEUED_WRITE_DELAY") else queued.record_now
         try:
             record(
                 key,

@@ -2,9 +2,11 @@
 
 A publish of an ``@exactly_once`` task appends its outcome row's fields to
 this process's buffer and returns; a daemon thread writes what is buffered in
-one multi-row ``INSERT ... ON CONFLICT DO NOTHING`` when ``QUEUED_BATCH_SIZE``
-records wait or the oldest has waited ``QUEUED_WRITE_DELAY`` seconds. One
-statement per publish halved the enqueue rate; one per batch does not.
+one multi-row ``INSERT ... ON CONFLICT DO NOTHING``
+(:meth:`queueapp.records.Records.insert_queued`) when ``QUEUED_BATCH_SIZE``
+records wait or the oldest has waited ``QUEUED_WRITE_DELAY`` seconds: one
+statement per batch, not per publish (docs/benchmarks.md). With a delay of
+``0``, :func:`record_now` writes it in the publish itself.
 
 Why this is safe: the queued record is for ops to see what is queued. The
 worker's claim creates the row if it is missing, and a late queued insert
@@ -13,7 +15,7 @@ records lost with a publisher that crashed, or dropped while the database is
 down, cost ops a view, never a guarantee. The write is in a transaction of
 the thread's own connection, never in a publishing caller's: the message is
 published whether or not the caller's transaction commits. Its commit does
-not wait for its own flush, as :func:`queueapp.ledger.ensure_queued`'s does.
+not wait for its own flush.
 
 Bounded under failure: a failed batch is retried ``_ATTEMPTS`` times with a
 doubling wait, then dropped with a warning; publishes beyond
@@ -24,22 +26,21 @@ A publish never fails or waits on the database for its record.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from datetime import datetime
 
-from django.db import DataError, IntegrityError, connections, transaction
-from django.db.models import CharField, JSONField
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DataError, IntegrityError, connections
 from django.utils import timezone
 
-from queueapp import conf, ledger
-from queueapp.models import TaskOutcome
+from queueapp import conf
+from queueapp.records import QueuedRecord, Records
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class _Writer:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.changed = threading.Condition()
-        self.rows: deque[tuple[float, tuple]] = deque()  # (monotonic time appended, fields)
+        self.rows: deque[tuple[float, QueuedRecord]] = deque()  # (monotonic time appended, record)
         self.appended = 0  # Records ever buffered; they leave in order, by ``settled``.
         self.settled = 0  # Records written or dropped.
         self.dropped = 0
@@ -74,7 +75,7 @@ class _Writer:
         self.limit = max(1, int(conf.get("QUEUED_BUFFER_LIMIT")))
         self.delay = float(conf.get("QUEUED_WRITE_DELAY"))
 
-    def append(self, fields: tuple) -> None:
+    def append(self, fields: QueuedRecord) -> None:
         with self.changed:
             if self.appended - self.settled >= self.limit:  # Buffered or being written.
                 self.refused += 1
@@ -120,7 +121,7 @@ class _Writer:
             else:
                 self._written(len(batch))
 
-    def _next_batch(self, idle_timeout: float | None) -> list[tuple[float, tuple]] | None:
+    def _next_batch(self, idle_timeout: float | None) -> list[tuple[float, QueuedRecord]] | None:
         """Wait until a batch is due and take it; ``None`` after ``idle_timeout`` s with nothing buffered."""
         with self.changed:
             while True:
@@ -147,7 +148,7 @@ class _Writer:
             self.attempts, self.retry_at = 0, 0.0
             self.changed.notify_all()
 
-    def _failed(self, batch: list[tuple[float, tuple]], exc: Exception) -> None:
+    def _failed(self, batch: list[tuple[float, QueuedRecord]], exc: Exception) -> None:
         _close_connection()  # Likely broken: the next attempt opens a new one.
         with self.changed:
             self.attempts += 1
@@ -199,142 +200,30 @@ def _close_connection() -> None:
         logger.debug("closing the queued records' connection failed: %r", exc)
 
 
-def _write(rows: list[tuple]) -> None:
-    """Multi-row ``INSERT ... ON CONFLICT DO NOTHING`` in a transaction whose commit is not flushed.
-
-    PostgreSQL: ``SET LOCAL synchronous_commit = off`` in this transaction
-    only; SQLite: ``PRAGMA synchronous = NORMAL`` around it (the argument of
-    :func:`queueapp.ledger.ensure_queued`).
-    """
+def _write(records: list[QueuedRecord]) -> None:
+    """One multi-row insert (:meth:`~queueapp.records.Records.insert_queued`), its commit not flushed."""
     db = conf.get("DATABASE")
     try:
-        _insert(db, rows)
-    except _BAD_RECORD:
-        _insert_each(db, rows)
+        try:
+            Records(db).insert_queued(records)
+        except _BAD_RECORD:
+            _insert_each(db, records)
     finally:
         connections[db].queries_log.clear()  # With DEBUG on, nobody else would empty this thread's log.
 
 
-# What a record's own data causes (not JSON, too long for a column), unlike a database that is down.
+# What a record's own data causes (too long for a column), unlike a database that is down.
 _BAD_RECORD = (TypeError, ValueError, DataError, IntegrityError)
 
-# The columns a publish sets, in the order of a buffered record's fields (``updated_at`` is ``queued_at``).
-_PUBLISHED = ("idempotency_key", "task_name", "args", "kwargs", "queue", "task_id", "eta", "queued_at")
 
-
-def _insert(db: str, rows: list[tuple]) -> None:
-    """The rows in one transaction: one ``INSERT`` on PostgreSQL, as few as SQLite's parameter limit allows.
-
-    Written by hand rather than with ``bulk_create``: building a model
-    instance per record and compiling every column of it cost about a sixth of
-    the publishing process's time, on the thread that shares its GIL, and on
-    PostgreSQL a statement of thousands of placeholders spends more time
-    being parsed by the driver than being run. Every column a publish does not
-    set takes the model's default, prepared once per batch.
-    """
-    connection = connections[db]
-    statements = _unnest if connection.vendor == "postgresql" else _values
-    with ledger.without_own_sync(db), transaction.atomic(using=db), connection.cursor() as cursor:
-        ledger.without_own_flush(db)
-        for sql, params in statements(connection, rows):
-            cursor.execute(sql, params)
-
-
-def _columns(connection) -> tuple[list, list, dict[int, int]]:
-    """Every column but the id, the model's defaults for them, and where a published column is in a record."""
-    fields = [field for field in TaskOutcome._meta.concrete_fields if not field.primary_key]
-    defaults = TaskOutcome()
-    template = [field.get_db_prep_save(getattr(defaults, field.attname), connection) for field in fields]
-    position = {name: at for at, name in enumerate(_PUBLISHED)}
-    position["updated_at"] = position["queued_at"]
-    published = {at: position[field.attname] for at, field in enumerate(fields) if field.attname in position}
-    return fields, template, published
-
-
-def _on_conflict(connection) -> str:
-    key = TaskOutcome._meta.get_field("idempotency_key").column
-    return f"ON CONFLICT ({connection.ops.quote_name(key)}) DO NOTHING"
-
-
-def _into(connection, fields: list) -> str:
-    quote = connection.ops.quote_name
-    return f"INSERT INTO {quote(TaskOutcome._meta.db_table)} ({', '.join(quote(f.column) for f in fields)})"
-
-
-def _values(connection, rows: list[tuple]) -> Iterator[tuple[str, list]]:
-    """``INSERT ... VALUES (...), (...) ON CONFLICT ... DO NOTHING``, split by the parameter limit."""
-    fields, template, published = _columns(connection)
-    one_row = f"({', '.join(['%s'] * len(fields))})"
-    per_statement = max(1, _max_params(connection) // len(fields))
-    for start in range(0, len(rows), per_statement):
-        chunk = rows[start : start + per_statement]
-        params: list = []
-        for row in chunk:
-            values = list(template)
-            for at, position in published.items():
-                value = row[position]
-                values[at] = (
-                    value if isinstance(value, _Json) else fields[at].get_db_prep_save(value, connection)
-                )
-            params.extend(values)
-        values_sql = ", ".join([one_row] * len(chunk))
-        yield f"{_into(connection, fields)} VALUES {values_sql} {_on_conflict(connection)}", params
-
-
-def _unnest(connection, rows: list[tuple]) -> Iterator[tuple[str, list]]:
-    """One ``INSERT ... SELECT ... FROM unnest(<one array per published column>)``: a dozen parameters."""
-    fields, template, published = _columns(connection)
-    selected, arrays, constants, columns = [], [], [], []
-    for at, field in enumerate(fields):
-        if at not in published:
-            selected.append(f"%s::{field.db_type(connection)}")
-            constants.append(template[at])
-            continue
-        name = f"c{at}"
-        columns.append(name)
-        if isinstance(field, JSONField):  # As text: one array of JSON documents, cast row by row.
-            arrays.append([str(row[published[at]]) for row in rows])
-            selected.append(f"{name}::jsonb")
-            continue
-        arrays.append([field.get_db_prep_save(row[published[at]], connection) for row in rows])
-        selected.append(name)
-    casts = [f"%s::{_array_type(fields[at], connection)}[]" for at in published]
-    yield (
-        f"{_into(connection, fields)} SELECT {', '.join(selected)} "
-        f"FROM unnest({', '.join(casts)}) AS v({', '.join(columns)}) {_on_conflict(connection)}",
-        [*constants, *arrays],
-    )
-
-
-def _array_type(field, connection) -> str:
-    """The element type of a published column's array: ``text`` for strings and JSON documents.
-
-    A string too long for its column then fails the insert (an assignment)
-    instead of being cut to fit, which is what a cast to ``varchar(255)`` does.
-    """
-    if isinstance(field, (JSONField, CharField)):
-        return "text"
-    return field.db_type(connection)
-
-
-def _max_params(connection) -> int:
-    """Parameters one statement may carry: SQLite's own limit where Python reads it (Django says 999)."""
-    if connection.vendor == "sqlite":
-        connection.ensure_connection()
-        getlimit = getattr(connection.connection, "getlimit", None)
-        if getlimit is not None:
-            return getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    return connection.features.max_query_params or 65535
-
-
-def _insert_each(db: str, rows: list[tuple]) -> None:
+def _insert_each(db: str, records: list[QueuedRecord]) -> None:
     """One record the database cannot take must not take its batch down with it: write them one by one."""
     refused: list[tuple[str, Exception]] = []
-    for row in rows:
+    for record in records:
         try:
-            _insert(db, [row])
+            Records(db).insert_queued([record])
         except _BAD_RECORD as exc:
-            refused.append((row[0], exc))
+            refused.append((record.key, exc))
     if refused:
         key, exc = refused[0]
         logger.warning(
@@ -388,19 +277,33 @@ def record(
     record must say what was published.
     """
     try:
-        published_args, published_kwargs = _Json.of(list(args)), _Json.of(dict(kwargs))
+        fields = _published(key, task_name, args, kwargs, queue, task_id, eta)
     except (TypeError, ValueError) as exc:  # The publish itself fails on them with Celery's JSON.
         logger.warning("%s [%s] not recorded as queued: its arguments are not JSON (%r)", task_name, key, exc)
         return
-    _current().append((key, task_name, published_args, published_kwargs, queue, task_id, eta, timezone.now()))
+    _current().append(fields)
 
 
-class _Json(str):
-    """A JSON document, already encoded by the outcome model's encoder (stored as it is)."""
+def record_now(
+    key: str,
+    task_name: str,
+    *,
+    args: list,
+    kwargs: dict,
+    queue: str = "",
+    task_id: str = "",
+    eta: datetime | None = None,
+) -> None:
+    """Write the *queued* record of a publish at once, in the caller's transaction if one is open."""
+    Records().insert_queued([_published(key, task_name, args, kwargs, queue, task_id, eta)])
 
-    @classmethod
-    def of(cls, value) -> _Json:
-        return cls(json.dumps(value, cls=TaskOutcome._meta.get_field("args").encoder))
+
+def _published(key, task_name, args, kwargs, queue, task_id, eta) -> QueuedRecord:
+    """A publish's record, its arguments JSON (NaN refused: no database column stores it as JSON)."""
+    encode = functools.partial(json.dumps, cls=DjangoJSONEncoder, allow_nan=False)
+    return QueuedRecord(
+        key, task_name, encode(list(args)), encode(dict(kwargs)), queue, task_id, eta, timezone.now()
+    )
 
 
 def flush(timeout: float | None = 10.0) -> bool:

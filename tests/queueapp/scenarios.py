@@ -18,12 +18,13 @@ from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue, QueueOptions
 from broker_ext.records import Claimed
 from lab.processes import wait_for
-from queueapp import broker, ledger, queued
+from queueapp import broker, queued
 from queueapp.decorators import policy_of
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import DeliveryRefused
-from queueapp.execution import execute
+from queueapp.execution import commit, execute
 from queueapp.models import TaskOutcome
+from queueapp.records import Records
 from tests.queueapp import demo_tasks
 
 QUEUE = "celery"
@@ -109,7 +110,7 @@ def stuck_running(queue: FencedQueue, label: str, *, lease_seconds: float = -360
     """
     published = publish(demo_tasks.effect, label)
     (claimed,) = claim_expired(queue, 1)
-    ledger.claim(
+    Records().claim(
         published.key,
         delivery_of(demo_tasks.effect, claimed, "worker-gone@test"),
         args=[label],
@@ -124,7 +125,7 @@ def held_by_live_worker(queue: FencedQueue, label: str) -> Published:
     published = publish(demo_tasks.effect, label)
     claimed = claim_one(queue)
     delivery = delivery_of(demo_tasks.effect, claimed, "worker-busy@test")
-    ledger.claim(published.key, delivery, args=[label], kwargs={}, lease_seconds=30)
+    Records().claim(published.key, delivery, args=[label], kwargs={}, lease_seconds=30)
     return published
 
 
@@ -202,7 +203,7 @@ def stale_commit_refused(queue: FencedQueue, label: str) -> Published:
     committed; delivery 1 woke up and its commit was refused (stale token)."""
     published = publish(demo_tasks.effect, label)
     (first,) = claim_expired(queue, 1)
-    claim = ledger.claim(
+    claim = Records().claim(
         published.key,
         delivery_of(demo_tasks.effect, first, "w1@paused"),
         args=[label],
@@ -213,8 +214,8 @@ def stale_commit_refused(queue: FencedQueue, label: str) -> Published:
     run(demo_tasks.effect, published.key, label, second, "w2@test")
     queue.ack([second.delivery])
     with pytest.raises(DeliveryRefused) as refused:
-        ledger.commit(claim, lambda: demo_tasks.record_effect(label))
-    ledger.record_refusal(claim, refused.value)
+        commit(claim, lambda: demo_tasks.record_effect(label))
+    Records().refuse(claim, refused.value)
     return published
 
 
@@ -222,10 +223,10 @@ def celery_retried(queue: FencedQueue, label: str) -> Published:
     """``flaky(label)`` whose first attempt failed and scheduled Celery retry 1, which succeeded."""
     published = publish(demo_tasks.flaky, label, 1)
     claimed = claim_one(queue)
-    claim = ledger.claim(
+    claim = Records().claim(
         published.key, delivery_of(demo_tasks.flaky, claimed), args=[label, 1], kwargs={}, lease_seconds=30
     )
-    ledger.record_failure(claim, ValueError(f"{label}: flaky failure 1"), retrying=True)
+    Records().fail(claim, ValueError(f"{label}: flaky failure 1"), retrying=True)
     demo_tasks.flaky.app.send_task(
         demo_tasks.flaky.name, args=[label, 1], task_id=published.task_id, retries=1
     )

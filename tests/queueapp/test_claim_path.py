@@ -4,7 +4,7 @@ The first delivery of a queued key is claimed by one conditional statement
 (with its log row) whose commit does not wait for its own flush, and the
 success is the one synchronous commit; whatever the common path does not
 match is still decided under the row lock. The durability argument is in
-:func:`queueapp.ledger.without_own_flush` and ``without_own_sync``.
+:mod:`queueapp.records.dialect`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from django.utils import timezone
 
 from broker_ext.records import Delivery
 from lab.bench.querylog import classify
-from queueapp import ledger, statements
 from queueapp.delivery import DeliveryInfo
+from queueapp.execution import commit
 from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.queued import record_now
+from queueapp.records import KeyClaim, Outranked, Records, Suppressed
+from queueapp.records.statements import operation
 from tests.helpers import frontend, wire
 from tests.queueapp import demo_tasks
 
@@ -44,17 +47,15 @@ def delivery(task_id: str, token: int, *, count: int = 1, retries: int = 0) -> D
 
 def queued(args: list | None = None) -> str:
     key = str(uuid.uuid4())
-    ledger.ensure_queued(
-        key, demo_tasks.effect.name, args=args or ["x"], kwargs={}, queue="celery", task_id=key
-    )
+    record_now(key, demo_tasks.effect.name, args=args or ["x"], kwargs={}, queue="celery", task_id=key)
     return key
 
 
 def test_the_common_path_is_one_claim_statement_and_one_synchronous_commit(effects):
     key = queued()
     with CaptureQueriesContext(connection) as queries:
-        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
-        ledger.commit(claim, lambda: demo_tasks.record_effect("x"), just_claimed=True)
+        claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        commit(claim, lambda: demo_tasks.record_effect("x"), just_claimed=True)
     counts = classify([query["sql"] for query in queries.captured_queries])
     assert counts["durable_commits"] == 1, queries.captured_queries
     assert counts["commits"] == 2
@@ -80,30 +81,30 @@ def test_the_common_path_is_one_claim_statement_and_one_synchronous_commit(effec
 def test_a_key_the_common_path_does_not_match_is_decided_under_the_lock(effects):
     """No queued row, a lower token, a succeeded key: the locked path, with the same verdicts as before."""
     key = str(uuid.uuid4())  # Never recorded as queued: the locked path creates the row.
-    first = ledger.claim(key, delivery(key, 5), args=["x"], kwargs={}, lease_seconds=30)
-    assert isinstance(first, ledger.Claim) and first.token == 5
-    assert isinstance(
-        ledger.claim(key, delivery(key, 5), args=[], kwargs={}, lease_seconds=30), ledger.Outranked
-    )
-    ledger.commit(first, lambda: demo_tasks.record_effect("x"), just_claimed=True)
-    again = ledger.claim(key, delivery(key, 9, count=2), args=[], kwargs={}, lease_seconds=30)
-    assert isinstance(again, ledger.Suppressed)
+    first = Records().claim(key, delivery(key, 5), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(first, KeyClaim) and first.token == 5
+    assert isinstance(Records().claim(key, delivery(key, 5), args=[], kwargs={}, lease_seconds=30), Outranked)
+    commit(first, lambda: demo_tasks.record_effect("x"), just_claimed=True)
+    again = Records().claim(key, delivery(key, 9, count=2), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(again, Suppressed)
     assert TaskOutcome.objects.get(idempotency_key=key).suppressed_duplicates == 1
 
 
 def test_a_retry_with_a_lower_broker_token_still_outranks_its_attempt(effects):
     key = queued()
-    attempt = ledger.claim(key, delivery(key, 50), args=["x"], kwargs={}, lease_seconds=30)
-    ledger.record_failure(attempt, RuntimeError("boom"), retrying=True)
-    retry = ledger.claim(key, delivery(key, 3, retries=1), args=["x"], kwargs={}, lease_seconds=30)
-    assert isinstance(retry, ledger.Claim) and retry.token == 51  # The stored token plus one.
+    attempt = Records().claim(key, delivery(key, 50), args=["x"], kwargs={}, lease_seconds=30)
+    Records().fail(attempt, RuntimeError("boom"), retrying=True)
+    retry = Records().claim(key, delivery(key, 3, retries=1), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(retry, KeyClaim) and retry.token == 51  # The stored token plus one.
 
 
 def test_an_older_attempt_redelivered_after_its_retry_took_over_is_suppressed(effects):
     key = queued()
-    ledger.claim(key, delivery(key, 10, retries=1), args=["x"], kwargs={}, lease_seconds=30)
-    older = ledger.claim(key, delivery(key, 20, retries=0, count=2), args=["x"], kwargs={}, lease_seconds=30)
-    assert isinstance(older, ledger.Suppressed)
+    Records().claim(key, delivery(key, 10, retries=1), args=["x"], kwargs={}, lease_seconds=30)
+    older = Records().claim(
+        key, delivery(key, 20, retries=0, count=2), args=["x"], kwargs={}, lease_seconds=30
+    )
+    assert isinstance(older, Suppressed)
 
 
 def assert_the_open_transaction_commits_synchronously() -> None:
@@ -117,14 +118,14 @@ def assert_the_open_transaction_commits_synchronously() -> None:
 def test_a_claim_inside_a_callers_transaction_leaves_that_transaction_synchronous(effects):
     key = queued()
     with transaction.atomic():
-        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
-        assert isinstance(claim, ledger.Claim)
+        claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        assert isinstance(claim, KeyClaim)
         assert_the_open_transaction_commits_synchronously()
     if connection.vendor == "sqlite":
         with connection.cursor() as cursor:
             cursor.execute("PRAGMA synchronous")
             before = cursor.fetchone()[0]
-        ledger.claim(queued(), delivery(str(uuid.uuid4()), 1), args=[], kwargs={}, lease_seconds=30)
+        Records().claim(queued(), delivery(str(uuid.uuid4()), 1), args=[], kwargs={}, lease_seconds=30)
         with connection.cursor() as cursor:
             cursor.execute("PRAGMA synchronous")
             assert cursor.fetchone()[0] == before  # Put back after the claim's own commit.
@@ -135,8 +136,8 @@ def test_with_autocommit_off_the_callers_transaction_stays_synchronous(effects):
     transaction.set_autocommit(False)
     try:
         key = queued()  # SQLite: the pragma may not change inside a transaction, so none is tried
-        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
-        assert isinstance(claim, ledger.Claim)
+        claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        assert isinstance(claim, KeyClaim)
         assert_the_open_transaction_commits_synchronously()
         transaction.commit()
     finally:
@@ -164,10 +165,10 @@ def test_a_transaction_left_open_between_two_tasks_is_closed_not_kept(effects):
 
 def test_a_row_recorded_without_its_arguments_gets_the_deliverys_and_others_keep_theirs(effects):
     bare, recorded = str(uuid.uuid4()), queued(args=["kept"])
-    ledger.ensure_queued(bare, demo_tasks.effect.name, args=[], kwargs={}, queue="celery", task_id=bare)
+    record_now(bare, demo_tasks.effect.name, args=[], kwargs={}, queue="celery", task_id=bare)
     for key, args in ((bare, ["given"]), (recorded, ["other"])):
-        claim = ledger.claim(key, delivery(key, 7), args=args, kwargs={"k": 1}, lease_seconds=30)
-        assert isinstance(claim, ledger.Claim)
+        claim = Records().claim(key, delivery(key, 7), args=args, kwargs={"k": 1}, lease_seconds=30)
+        assert isinstance(claim, KeyClaim)
     assert TaskOutcome.objects.get(idempotency_key=bare).args == ["given"]
     assert TaskOutcome.objects.get(idempotency_key=bare).kwargs == {"k": 1}
     assert TaskOutcome.objects.get(idempotency_key=recorded).args == ["kept"]
@@ -182,8 +183,8 @@ def test_a_body_that_sent_nothing_commits_its_success_alone_and_the_statements_s
     traces = []
     for token, key in enumerate(keys, start=7):
         with wire() as sent:
-            claim = ledger.claim(key, delivery(key, token), args=["x"], kwargs={}, lease_seconds=30)
-            ledger.commit(claim, lambda: "external effect only", just_claimed=True)
+            claim = Records().claim(key, delivery(key, token), args=["x"], kwargs={}, lease_seconds=30)
+            commit(claim, lambda: "external effect only", just_claimed=True)
         traces.append(sent)
         assert TaskOutcome.objects.get(idempotency_key=key).status == TaskOutcome.Status.SUCCEEDED
     for sent in traces:
@@ -196,8 +197,8 @@ def test_a_body_that_sent_nothing_commits_its_success_alone_and_the_statements_s
 def test_a_body_that_writes_commits_them_with_its_success_in_one_transaction(effects):
     key = queued()
     with wire() as sent:
-        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
-        ledger.commit(claim, lambda: demo_tasks.record_effect("x"), just_claimed=True)
+        claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        commit(claim, lambda: demo_tasks.record_effect("x"), just_claimed=True)
     queries = frontend(sent, "Query")
     assert any("BEGIN" in query for query in queries) and any("COMMIT" in query for query in queries), sent
     assert [row[0] for row in effects()] == ["x"]
@@ -206,8 +207,8 @@ def test_a_body_that_writes_commits_them_with_its_success_in_one_transaction(eff
 def test_inside_a_callers_transaction_a_success_that_wrote_nothing_stays_in_it(effects):
     key = queued()
     with pytest.raises(RuntimeError), transaction.atomic():
-        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
-        ledger.commit(claim, lambda: None, just_claimed=True)
+        claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+        commit(claim, lambda: None, just_claimed=True)
         raise RuntimeError("the caller rolls back")
     assert TaskOutcome.objects.get(idempotency_key=key).status == TaskOutcome.Status.QUEUED
 
@@ -221,8 +222,8 @@ def test_the_claim_is_the_health_check_and_a_dropped_connection_is_replaced(effe
     key = queued()
     close_old_connections()  # a task boundary: the next statement would be health-checked
     with wire() as sent:
-        claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
-    assert isinstance(claim, ledger.Claim)
+        claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(claim, KeyClaim)
     assert not [query for query in frontend(sent, "Query") if "SELECT 1" in query], sent
 
     key = queued()
@@ -230,16 +231,16 @@ def test_the_claim_is_the_health_check_and_a_dropped_connection_is_replaced(effe
     victim = connection.connection.info.backend_pid
     with psycopg.connect(**connection.get_connection_params()) as other:
         other.execute("SELECT pg_terminate_backend(%s)", [victim])
-    claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
-    assert isinstance(claim, ledger.Claim) and claim.token == 8
+    claim = Records().claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(claim, KeyClaim) and claim.token == 8
     assert connection.connection.info.backend_pid != victim
 
 
 def test_a_delivery_from_another_queue_than_recorded_is_claimed_and_records_its_queue(effects):
     key = queued()  # recorded as published to "celery"
     moved = DeliveryInfo(**{**delivery(key, 7).__dict__, "queue": "elsewhere"})
-    claim = ledger.claim(key, moved, args=["x"], kwargs={}, lease_seconds=30)
-    assert isinstance(claim, ledger.Claim) and claim.token == 7
+    claim = Records().claim(key, moved, args=["x"], kwargs={}, lease_seconds=30)
+    assert isinstance(claim, KeyClaim) and claim.token == 7
     assert TaskOutcome.objects.get(idempotency_key=key).queue == "elsewhere"
 
 
@@ -253,7 +254,7 @@ def test_a_success_alone_interrupted_while_it_waits_gives_the_delivery_back(effe
     from django.db import OperationalError
 
     key = queued()
-    claim = ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
+    claim = Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30)
     holder = psycopg.connect(**connection.get_connection_params())
     holder.execute("SELECT 1 FROM queueapp_taskoutcome WHERE id = %s FOR UPDATE", [claim.outcome_id])
 
@@ -264,7 +265,7 @@ def test_a_success_alone_interrupted_while_it_waits_gives_the_delivery_back(effe
     signal.setitimer(signal.ITIMER_REAL, 0.3)
     try:
         with pytest.raises(OperationalError) as raised:
-            ledger.commit(claim, lambda: None, just_claimed=True)
+            commit(claim, lambda: None, just_claimed=True)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -286,14 +287,14 @@ def test_a_migration_that_changes_a_returned_column_does_not_break_the_prepared_
             other.execute(f"ALTER TABLE {table} ALTER COLUMN attempts TYPE {column_type}")
 
     key = queued()
-    ledger.commit(ledger.claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30), lambda: None)
+    commit(Records().claim(key, delivery(key, 7), args=["x"], kwargs={}, lease_seconds=30), lambda: None)
     migrate("bigint")
     try:
         key = queued()  # published before the next task starts
         close_old_connections()  # the next task: its claim goes first
         before = connection.connection.info.backend_pid
-        claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
-        assert isinstance(claim, ledger.Claim) and claim.token == 8
+        claim = Records().claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
+        assert isinstance(claim, KeyClaim) and claim.token == 8
         assert connection.connection.info.backend_pid != before
     finally:
         migrate("integer")
@@ -331,18 +332,23 @@ def _assert_found_by_primary_key(sql: str, params: list | None) -> None:
 def test_the_success_finds_its_row_by_primary_key_whatever_the_statistics_say(effects):
     """Analysed while no row ran, then many run: the success must not scan the lease index's running rows."""
     running = TaskOutcome.objects.get(idempotency_key=_many_running_unbeknown_to_the_statistics()[0])
-    statements.names(connection)
-    outcome_sql, _ = statements._success_sql(connection.vendor)
-    now = timezone.now()
-    _assert_found_by_primary_key(outcome_sql, [None, now, now, running.pk, 7, now, 1])
+    succeed = operation("postgresql", "succeed").statements[0]
+    values = {
+        "result": None,
+        "finished": timezone.now(),
+        "outcome_id": running.pk,
+        "claimed_token": 7,
+        "log_id": 1,
+    }
+    _assert_found_by_primary_key(succeed, values)
 
 
 @postgres_only
 def test_a_failure_is_recorded_on_its_row_found_by_primary_key_whatever_the_statistics_say(effects):
     key = _many_running_unbeknown_to_the_statistics()[0]
-    claim = ledger.claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
+    claim = Records().claim(key, delivery(key, 8), args=["x"], kwargs={}, lease_seconds=30)
     with CaptureQueriesContext(connection) as queries:
-        ledger.record_failure(claim, RuntimeError("boom"), retrying=False)
+        Records().fail(claim, RuntimeError("boom"), retrying=False)
     (update,) = [
         q["sql"] for q in queries.captured_queries if q["sql"].startswith('UPDATE "queueapp_taskoutcome"')
     ]

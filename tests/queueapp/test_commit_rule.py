@@ -16,11 +16,11 @@ from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue
 from broker_ext.records import Delivery, OutgoingMessage
 from lab.processes import wait_for
-from queueapp import ledger
 from queueapp.delivery import DeliveryInfo
 from queueapp.errors import DeliveryRefused
-from queueapp.execution import execute
+from queueapp.execution import commit, execute
 from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.records import KeyClaim, Outranked, Records, Suppressed
 from tests.queueapp import demo_tasks
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
@@ -41,9 +41,9 @@ def delivery(token: int, *, message_id: str = "m", queue: str = "celery", count:
     )
 
 
-def claim(key: str, token: int) -> ledger.Claim:
-    decision = ledger.claim(key, delivery(token), args=[], kwargs={}, lease_seconds=30)
-    assert isinstance(decision, ledger.Claim)
+def claim(key: str, token: int) -> KeyClaim:
+    decision = Records().claim(key, delivery(token), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(decision, KeyClaim)
     return decision
 
 
@@ -51,11 +51,11 @@ def test_a_newer_token_takes_the_key_and_the_older_delivery_commits_nothing(effe
     old, new = claim("k", 100), claim("k", 200)
     ran = []
     with pytest.raises(DeliveryRefused) as refused:
-        ledger.commit(old, lambda: ran.append("old"))
+        commit(old, lambda: ran.append("old"))
     assert refused.value.verdict == Verdict.REFUSED_STALE
     assert ran == []  # A delivery that can no longer commit does not even run its body.
-    ledger.record_refusal(old, refused.value)
-    ledger.commit(new, lambda: demo_tasks.record_effect("new"))
+    Records().refuse(old, refused.value)
+    commit(new, lambda: demo_tasks.record_effect("new"))
     assert [row[0] for row in effects()] == ["new"]
     outcome = TaskOutcome.objects.get(idempotency_key="k")
     assert (outcome.status, outcome.fence_token, outcome.stale_refusals) == ("succeeded", 200, 1)
@@ -64,9 +64,9 @@ def test_a_newer_token_takes_the_key_and_the_older_delivery_commits_nothing(effe
 
 def test_a_stale_delivery_finishing_after_the_newer_one_succeeded_is_refused(effects):
     old, new = claim("k", 100), claim("k", 200)
-    ledger.commit(new, lambda: demo_tasks.record_effect("new"))
+    commit(new, lambda: demo_tasks.record_effect("new"))
     with pytest.raises(DeliveryRefused) as refused:
-        ledger.commit(old, lambda: demo_tasks.record_effect("old"))
+        commit(old, lambda: demo_tasks.record_effect("old"))
     assert refused.value.verdict == Verdict.REFUSED_STALE
     assert [row[0] for row in effects()] == ["new"]
 
@@ -75,7 +75,7 @@ def test_a_lower_or_equal_token_never_claims_a_key(effects):
     claim("k", 200)
     for token in (150, 200):
         assert isinstance(
-            ledger.claim("k", delivery(token), args=[], kwargs={}, lease_seconds=30), ledger.Outranked
+            Records().claim("k", delivery(token), args=[], kwargs={}, lease_seconds=30), Outranked
         )
     assert TaskOutcome.objects.get(idempotency_key="k").fence_token == 200
 
@@ -89,7 +89,7 @@ def test_the_body_s_writes_and_the_success_commit_together_or_not_at_all(effects
         TaskOutcome.objects.filter(idempotency_key="k").update(fence_token=300)
 
     with pytest.raises(DeliveryRefused):
-        ledger.commit(grant, body)
+        commit(grant, body)
     assert effects() == []
     assert TaskOutcome.objects.get(idempotency_key="k").fence_token == 100  # Rolled back as well.
 
@@ -103,7 +103,7 @@ def test_on_postgresql_a_body_overtaken_while_running_is_rolled_back(effects):
     def newer():
         try:
             grant = claim("k", 200)
-            ledger.commit(grant, lambda: demo_tasks.record_effect("new"))
+            commit(grant, lambda: demo_tasks.record_effect("new"))
         finally:
             connection.close()
             overtaken.set()
@@ -114,7 +114,7 @@ def test_on_postgresql_a_body_overtaken_while_running_is_rolled_back(effects):
         assert overtaken.wait(20)
 
     with pytest.raises(DeliveryRefused):
-        ledger.commit(old, body)
+        commit(old, body)
     assert [row[0] for row in effects()] == ["new"]
 
 
@@ -170,7 +170,7 @@ def test_a_delivery_redis_already_replaced_is_refused_as_stale(effects, queue):
     (item,) = queue.claim(1)
     second = item.delivery
     assert second.token > first.token
-    ledger.claim("k", as_info(second), args=[], kwargs={}, lease_seconds=30)
+    Records().claim("k", as_info(second), args=[], kwargs={}, lease_seconds=30)
     assert (
         execute(TASK, "k", lambda: demo_tasks.record_effect("stale"), (), {}, delivery=as_info(first)) is None
     )
@@ -195,17 +195,15 @@ def attempt(fenced, retries: int, *, task_id: str = "t1") -> DeliveryInfo:
 def test_an_older_attempt_redelivered_after_its_retry_took_the_key_never_takes_it_back(effects, queue):
     """Attempt 0 published its retry, then its worker died: its redelivery must not strand the key."""
     first = claimed(queue, "t1.0")
-    assert isinstance(
-        ledger.claim("k", attempt(first, 0), args=[], kwargs={}, lease_seconds=30), ledger.Claim
-    )
-    retry = ledger.claim("k", attempt(claimed(queue, "t1.1"), 1), args=[], kwargs={}, lease_seconds=30)
-    assert isinstance(retry, ledger.Claim)
+    assert isinstance(Records().claim("k", attempt(first, 0), args=[], kwargs={}, lease_seconds=30), KeyClaim)
+    retry = Records().claim("k", attempt(claimed(queue, "t1.1"), 1), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(retry, KeyClaim)
     queue.requeue([first], counted=True)  # the dead worker's message comes back...
     (again,) = queue.claim(1)
     assert again.delivery.token > retry.token  # ...with the highest token of all
-    decision = ledger.claim("k", attempt(again.delivery, 0), args=[], kwargs={}, lease_seconds=30)
-    assert isinstance(decision, ledger.Suppressed)
-    ledger.commit(retry, lambda: demo_tasks.record_effect("retry"))
+    decision = Records().claim("k", attempt(again.delivery, 0), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(decision, Suppressed)
+    commit(retry, lambda: demo_tasks.record_effect("retry"))
     assert [row[0] for row in effects()] == ["retry"]
     log = TaskDelivery.objects.filter(verdict=Verdict.SUPPRESSED_DUPLICATE).get()
     assert log.detail == "attempt 0 superseded by retry 1"
@@ -216,12 +214,12 @@ def test_a_retry_takes_the_key_even_with_a_lower_broker_token_and_the_key_s_toke
         fenced = Delivery("celery", f"t1.{retries}", token)
         return DeliveryInfo(task_id="t1", task_name=TASK.name, retries=retries, broker=fenced, worker="w")
 
-    first = ledger.claim("k", info(300, 0), args=[], kwargs={}, lease_seconds=30)
-    retry = ledger.claim("k", info(200, 1), args=[], kwargs={}, lease_seconds=30)
-    assert isinstance(retry, ledger.Claim) and retry.token == 301 > first.token
+    first = Records().claim("k", info(300, 0), args=[], kwargs={}, lease_seconds=30)
+    retry = Records().claim("k", info(200, 1), args=[], kwargs={}, lease_seconds=30)
+    assert isinstance(retry, KeyClaim) and retry.token == 301 > first.token
     with pytest.raises(DeliveryRefused):
-        ledger.commit(first, lambda: demo_tasks.record_effect("first"))
-    ledger.commit(retry, lambda: demo_tasks.record_effect("retry"))
+        commit(first, lambda: demo_tasks.record_effect("first"))
+    commit(retry, lambda: demo_tasks.record_effect("retry"))
     assert [row[0] for row in effects()] == ["retry"]
 
 

@@ -16,10 +16,11 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from queueapp import ledger, queued
+from queueapp import queued
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 from queueapp.ops import actions
 from queueapp.ops.diagnosis import BrokerRecords, Cause, diagnose, diagnose_outcome, diagnose_outcomes
+from queueapp.records import Records
 from settings.celery import app
 from tests.queueapp import demo_tasks, scenarios
 
@@ -196,14 +197,14 @@ def test_a_delivery_given_back_while_the_database_was_down_is_read_from_the_brok
 def test_a_reject_with_requeue_is_read_from_the_brokers_requeue_log(queue, effects):
     published = scenarios.publish(demo_tasks.effect, "reject:1")
     first = scenarios.claim_one(queue)
-    claim = ledger.claim(
+    claim = Records().claim(
         published.key,
         scenarios.delivery_of(demo_tasks.effect, first),
         args=["reject:1"],
         kwargs={},
         lease_seconds=30,
     )
-    ledger.record_failure(claim, RuntimeError("worker lost"), retrying=True)
+    Records().fail(claim, RuntimeError("worker lost"), retrying=True)
     queue.requeue([first.delivery], counted=True)  # Celery's Reject(requeue=True)
     second = scenarios.claim_one(queue)
     scenarios.run(demo_tasks.effect, published.key, "reject:1", second, "w2@test")

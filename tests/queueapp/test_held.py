@@ -20,10 +20,12 @@ from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
 from broker_ext.records import Delivery
-from queueapp import current_delivery, held, ledger
+from queueapp import current_delivery
 from queueapp.delivery import DeliveryInfo
 from queueapp.execution import execute
 from queueapp.models import TaskDelivery, TaskOutcome
+from queueapp.queued import record_now
+from queueapp.records import Records
 from tests.helpers import frontend, wire
 from tests.queueapp import demo_tasks
 
@@ -122,7 +124,7 @@ def test_a_key_with_no_row_yet_gets_its_queued_row_and_is_held_on_postgresql(eff
     assert (outcome.args, outcome.kwargs) == (["a"], {"b": 1})
     assert log() == [(Verdict.EXECUTED, 100, TaskDelivery.TokenSource.BROKER)]
     # The publisher's record, written after, finds the key and changes nothing.
-    ledger.ensure_queued("k", TASK.name, args=["a"], kwargs={"b": 1}, queue="celery", task_id="t1")
+    record_now("k", TASK.name, args=["a"], kwargs={"b": 1}, queue="celery", task_id="t1")
     assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
 
 
@@ -234,7 +236,7 @@ def test_without_a_broker_token_the_delivery_takes_the_two_transaction_path(effe
     """The database's counter must be saved before the body shows it: a crash would hand it out again."""
     queued(fence_token=7)
     delivery = DeliveryInfo(task_id="t1", task_name=TASK.name, queue="celery", message_id="t1.0")
-    assert not held.applies("default", delivery)
+    assert not Records().holds_claims(delivery)
     execute(TASK, "k", lambda: demo_tasks.record_effect("counted"), (), {}, delivery)
     assert TaskOutcome.objects.get(idempotency_key="k").fence_token == 8
     assert effects()[0][1] == 8
@@ -274,11 +276,11 @@ def test_a_body_that_changes_its_own_outcome_row_commits_nothing_and_is_refused(
 def test_a_caller_s_transaction_or_deferred_transactions_take_the_two_transaction_path(
     effects, monkeypatch, sqlite_only
 ):
-    assert held.applies("default", fenced(100))
+    assert Records().holds_claims(fenced(100))
     with transaction.atomic():
-        assert not held.applies("default", fenced(100))
+        assert not Records().holds_claims(fenced(100))
     monkeypatch.setitem(connection.settings_dict["OPTIONS"], "transaction_mode", "DEFERRED")
-    assert not held.applies("default", fenced(100))
+    assert not Records().holds_claims(fenced(100))
     queued()
     execute(TASK, "k", lambda: demo_tasks.record_effect("two transactions"), (), {}, fenced(100))
     (row,) = TaskDelivery.objects.all()

@@ -1,4 +1,4 @@
-"""queueapp's layout keeps its shape: the worker never imports operator code, and no module imports itself back.
+"""queueapp's layout keeps its shape: the worker never imports operator code, no module imports itself back.
 
 Read from the source (every ``import``, function-local ones included), so a
 dependency that only shows at run time is caught as well.

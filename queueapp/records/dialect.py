@@ -1,0 +1,393 @@
+"""Every difference between PostgreSQL and SQLite the records (and the ops' large-table reads) depend on.
+
+The one module that asks a connection which database it is
+(:func:`dialect_of`). What differs:
+
+- **The write lock.** SQLite lets one connection write at a time, and an
+  ``IMMEDIATE`` transaction takes that lock at its ``BEGIN``: a check inside
+  the body's transaction cannot be overtaken before the commit. PostgreSQL has
+  row locks only, and the body holds none on its outcome row: the check runs
+  before the transaction, and the success decides again under the row lock.
+- **Commits that need not wait for their own flush** (a claim committed
+  before the body, a queued record): PostgreSQL's
+  ``synchronous_commit`` off for that transaction; SQLite's ``PRAGMA
+  synchronous = NORMAL`` around it (in WAL mode the commit reaches the WAL
+  without an fsync). Safe because nothing durable depends on them until a
+  synchronous commit after them, which flushes them too: PostgreSQL flushes
+  its WAL in order, and SQLite's next fsync of the WAL covers every frame
+  before it. A database crash that loses one was followed by no synchronous
+  commit, and every transaction in flight died with it: the next delivery
+  claims again. Only outside a caller's transaction: inside one the setting
+  would last until the caller's commit.
+- **Cursors.** On PostgreSQL the common path's statements are prepared
+  (``PREPARED_STATEMENTS``); SQLite's take their named parameters converted
+  once per statement instead of at each call.
+- **Values**: how timestamps and JSON are bound (``jsonb`` refuses NaN).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import InterfaceError, OperationalError, connections, transaction
+
+from queueapp import conf
+from queueapp.errors import ConfigurationError
+from queueapp.records.statements import Operation
+
+logger = logging.getLogger(__name__)
+
+
+class Dialect:
+    """What the records need of a database they do not support: nothing runs (:meth:`refuse`)."""
+
+    #: The folder of this database's own statements under ``sql/``.
+    name = ""
+    #: The ops' reads of large tables may use the planner's estimates and index walks.
+    reads_large_tables = False
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+
+    def refuse(self) -> None:
+        raise ConfigurationError(
+            f"queueapp's records need PostgreSQL or SQLite; database {self.connection.alias!r} is "
+            f"{self.connection.display_name}"
+        )
+
+    def own_transaction(self) -> bool:
+        """Whether a statement now is its own transaction (autocommit, no caller's ``atomic`` block)."""
+        return self.connection.get_autocommit() and not self.connection.in_atomic_block
+
+
+def dialect_of(connection) -> Dialect:
+    """The dialect of a Django connection (the only place its ``vendor`` is read)."""
+    return _DIALECTS.get(connection.vendor, Dialect)(connection)
+
+
+def dialect(using: str | None = None) -> Dialect:
+    """The dialect of the records' database (``QUEUEAPP["DATABASE"]``), or of ``using``."""
+    return dialect_of(connections[using or conf.get("DATABASE")])
+
+
+class SQLite(Dialect):
+    name = "sqlite"
+
+    def holds_claims(self, delivery) -> bool:
+        """A claim may be written with the success under the write lock taken at ``BEGIN``."""
+        mode = (self.connection.settings_dict.get("OPTIONS") or {}).get("transaction_mode") or ""
+        return mode.upper() in ("IMMEDIATE", "EXCLUSIVE")
+
+    #: The check runs inside the body's transaction, under the write lock its ``BEGIN`` took.
+    checks_under_write_lock = True
+    #: A key with no row yet is not checked: its insert would be in the body's transaction, and a
+    #: body that raised would roll back an id it was shown, for ``AUTOINCREMENT`` to hand out again.
+    inserts_missing_row_before_body = False
+
+    def cursor(self, operation: Operation, *, health_check: bool = True):
+        """A Django cursor (logged, wrapped, its errors Django's) whose statements skip Django's conversion.
+
+        Django's SQLite cursor rewrites every placeholder with a regular
+        expression at each call; these statements are the same few texts
+        every time, so each is converted once.
+        """
+        connection = self.connection
+        connection.ensure_connection()
+        with connection.wrap_database_errors:
+            raw = connection.connection.cursor()
+        return connection._prepare_cursor(_NamedCursor(raw))
+
+    def run_as_health_check(self, operation: Operation, work: Callable[[Any], Any]) -> Any:
+        """``work(cursor)``: SQLite has no health check to save."""
+        with self.cursor(operation) as cursor:
+            return work(cursor)
+
+    @contextlib.contextmanager
+    def unflushed(self) -> Iterator[None]:
+        """The commits inside reach the WAL without an fsync (``PRAGMA synchronous = NORMAL``)."""
+        connection = self.connection
+        if not self.own_transaction():
+            yield
+            return
+        with connection.cursor() as cursor:
+            known = getattr(connection, "_queueapp_synchronous", None)
+            if known is None or known[0] is not connection.connection:  # Read once per connection.
+                cursor.execute("PRAGMA journal_mode")
+                wal = str(cursor.fetchone()[0]).lower() == "wal"
+                cursor.execute("PRAGMA synchronous")
+                known = (connection.connection, wal, int(cursor.fetchone()[0]))
+                connection._queueapp_synchronous = known
+            _, wal, previous = known
+            if wal:
+                cursor.execute("PRAGMA synchronous = NORMAL")
+        try:
+            yield
+        finally:
+            if wal:
+                with connection.cursor() as cursor:
+                    cursor.execute(f"PRAGMA synchronous = {previous:d}")
+
+    @contextlib.contextmanager
+    def unflushed_transaction(self) -> Iterator[None]:
+        with self.unflushed(), transaction.atomic(using=self.connection.alias):
+            yield
+
+    def alone_if_nothing_sent(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def timestamp(self, value: datetime | None):
+        return self.connection.ops.adapt_datetimefield_value(value)
+
+    timestamp_text = timestamp
+
+    def json_text(self, value: Any) -> str:
+        """``value`` as the JSON text a JSON column stores (``TypeError`` or ``ValueError`` if it cannot)."""
+        return json.dumps(value, cls=DjangoJSONEncoder)
+
+    def json_param(self, text: str | None):
+        return text
+
+
+class _NamedCursor:
+    """A sqlite3 cursor that takes ``%(name)s`` placeholders, converted once per statement text."""
+
+    def __init__(self, cursor) -> None:
+        self._cursor = cursor
+
+    def execute(self, sql: str, params=None):
+        return self._cursor.execute(_named(sql), () if params is None else params)
+
+    def executemany(self, sql: str, param_list):
+        return self._cursor.executemany(_named(sql), param_list)
+
+    def __iter__(self):
+        return iter(self._cursor)
+
+    def __getattr__(self, name: str):
+        return getattr(self._cursor, name)
+
+
+_PYFORMAT = re.compile(r"%\((\w+)\)s")
+
+
+@functools.lru_cache(maxsize=64)
+def _named(sql: str) -> str:
+    return _PYFORMAT.sub(r":\1", sql).replace("%%", "%")
+
+
+class PostgreSQL(Dialect):
+    name = "postgresql"
+    reads_large_tables = True
+    checks_under_write_lock = False
+    #: A key with no row yet gets its queued row before the body, as its publish would have written it.
+    inserts_missing_row_before_body = True
+
+    def holds_claims(self, delivery) -> bool:
+        """Only the first delivery of a first attempt: an earlier delivery of a redelivered message may
+        still run (its claim must be committed to fence it off), and a retry's committed claim is what
+        tells a redelivered older attempt that it was superseded."""
+        return delivery.delivery_count == 1 and delivery.retries == 0
+
+    def cursor(self, operation: Operation, *, health_check: bool = True):
+        """A Django cursor that prepares the common path's statements (psycopg prepares at first use).
+
+        Django's connections turn psycopg's preparing off (``prepare_threshold``
+        ``None``, for poolers); it is set here to a count no statement reaches,
+        which leaves every other cursor as it was: Django's own bind on the
+        client and never prepare. ``health_check=False`` skips Django's
+        ``CONN_HEALTH_CHECKS`` round trip, for a statement that is its own check.
+        """
+        connection = self.connection
+        if not operation.prepared or _prepare_refused or not conf.get("PREPARED_STATEMENTS"):
+            return connection.cursor()
+        if health_check:
+            connection.close_if_health_check_failed()
+        connection.ensure_connection()
+        raw = connection.connection
+        if raw.prepare_threshold is None:
+            raw.prepare_threshold = 2**31
+        with connection.wrap_database_errors:
+            prepared = _preparing_cursor_class()(raw)
+        connection.validate_thread_sharing()
+        if connection.queries_logged:
+            return _debug_cursor_class()(prepared, connection)
+        return connection.make_cursor(prepared)
+
+    def run_as_health_check(self, operation: Operation, work: Callable[[Any], Any]) -> Any:
+        """``work(cursor)``, one autocommit statement, as the connection's health check.
+
+        With ``CONN_HEALTH_CHECKS``, Django sends ``SELECT 1`` before the first
+        statement after each task boundary. A statement that may be sent twice
+        can be that check itself: if a reused connection turns out broken, it is
+        closed and the statement runs again on a new one, as it would have after
+        a failed ``SELECT 1``. Only a connection that broke is replaced: a lock
+        or statement timeout on a live one is the statement's own error.
+        """
+        connection = self.connection
+        unchecked = connection.connection is not None and connection.health_check_enabled
+        unchecked = unchecked and not connection.health_check_done
+        try:
+            with self.cursor(operation, health_check=not unchecked) as cursor:
+                done = work(cursor)
+        except (OperationalError, InterfaceError):
+            raw = connection.connection
+            if not unchecked or not (raw is None or raw.closed or raw.broken):
+                raise
+            connection.close()  # As after a failed check: the new connection is checked by its connect.
+            with self.cursor(operation, health_check=False) as cursor:
+                done = work(cursor)
+        connection.health_check_done = True
+        return done
+
+    def unflushed(self) -> contextlib.AbstractContextManager:
+        """Nothing around: the statements that may commit unflushed say so themselves (``asynchronous``)."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def unflushed_transaction(self) -> Iterator[None]:
+        """A transaction whose commit does not wait for its WAL flush (a savepoint in a caller's)."""
+        own = self.own_transaction()
+        with transaction.atomic(using=self.connection.alias):
+            if own:
+                with self.connection.cursor() as cursor:
+                    cursor.execute("SET LOCAL synchronous_commit = off")
+            yield
+
+    @contextlib.contextmanager
+    def alone_if_nothing_sent(self) -> Iterator[None]:
+        """Let the success commit on its own if the body sent nothing to the database.
+
+        Django's ``atomic`` opens the transaction lazily: psycopg sends
+        ``BEGIN`` with the first statement. A body that ran no statement (its
+        effects are elsewhere: a payment API called with the key) leaves no
+        transaction open, so its success is one synchronous autocommit
+        statement instead of ``BEGIN``, the statement and ``COMMIT``: the same
+        commit, two round trips fewer. Only for the outermost block: inside a
+        caller's transaction the success belongs to it. Django's query log
+        still shows the block's ``BEGIN`` and ``COMMIT``; psycopg sends neither.
+        """
+        connection = self.connection
+        raw = connection.connection
+        outermost = len(connection.atomic_blocks) == 1 and not connection.savepoint_ids
+        # A body that asked for its block to be rolled back keeps the success inside it, as before.
+        if raw is None or not outermost or connection.needs_rollback or _transaction_open(raw):
+            yield
+            return
+        raw.autocommit = True
+        try:
+            yield
+        except BaseException as exc:
+            if raw.closed or not _transaction_open(raw):
+                raise
+            # Interrupted while the statement ran (a soft time limit during a lock wait): the server
+            # may still commit it. Whether it did is for the row to say: the delivery goes back.
+            connection.close()
+            raise OperationalError(
+                f"the success statement was interrupted ({exc!r}); its outcome is unknown"
+            ) from exc
+        finally:
+            if not raw.closed:
+                raw.autocommit = False
+
+    def timestamp(self, value: datetime | None):
+        return value
+
+    def timestamp_text(self, value: datetime | None) -> str | None:
+        return None if value is None else value.isoformat()
+
+    def json_text(self, value: Any) -> str:
+        """``value`` as JSON text; NaN and infinities refused now, as ``jsonb`` would refuse them later."""
+        return json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
+
+    def json_param(self, text: str | None):
+        """A ``jsonb`` parameter of JSON text already made (psycopg would serialize it again)."""
+        from django.db.backends.postgresql.psycopg_any import Jsonb
+
+        return None if text is None else Jsonb(text, dumps=str)
+
+
+def _transaction_open(raw) -> bool:
+    """Whether psycopg has begun a transaction on the server (``BEGIN`` sent)."""
+    from psycopg import pq
+
+    return raw.info.transaction_status != pq.TransactionStatus.IDLE
+
+
+_DIALECTS: dict[str, type[Dialect]] = {"postgresql": PostgreSQL, "sqlite": SQLite}
+
+#: SQLSTATEs of a server that does not keep prepared statements between transactions (a pooler
+#: in transaction mode without prepared-statement support): preparing is then turned off.
+_LOST_PREPARED_STATEMENT = (
+    "26000",  # invalid_sql_statement_name: the statement is not on this server connection
+    "42P05",  # duplicate_prepared_statement: another client's statement of the same name is
+    "08P01",  # protocol_violation: ... and it takes another number of parameters
+)
+#: A migration changed a column a prepared statement returns: the connection's statements are stale.
+_STALE_PLAN = "0A000"  # feature_not_supported: "cached plan must not change result type"
+_prepare_refused = False
+
+
+def _refuse_preparing(exc: BaseException) -> None:
+    """Turn preparing off for this process: the server lost a prepared statement.
+
+    A pooler in transaction mode without prepared-statement support hands each
+    transaction another server connection. The delivery that met it goes back
+    to the broker (a database error), and the next one runs unprepared.
+    """
+    global _prepare_refused
+    if not _prepare_refused:
+        _prepare_refused = True
+        logger.error(
+            "the database lost a prepared statement (%r): a connection pooler in transaction mode? "
+            "queueapp stops preparing its statements in this process; set "
+            "QUEUEAPP['PREPARED_STATEMENTS'] = False to start without them",
+            exc,
+        )
+
+
+@functools.cache
+def _debug_cursor_class() -> type:
+    """Django's logging cursor, logging the statement as written (placeholders, not values).
+
+    Django reads the values back from the client-side cursor's last query,
+    which a prepared execution does not keep.
+    """
+    from django.db.backends.postgresql.base import CursorDebugWrapper
+
+    class PreparedDebugCursor(CursorDebugWrapper):
+        def debug_sql(self, sql=None, params=None, use_last_executed_query=False, many=False):
+            return super().debug_sql(sql, params, use_last_executed_query=False, many=many)
+
+    return PreparedDebugCursor
+
+
+@functools.cache
+def _preparing_cursor_class() -> type:
+    """psycopg's cursor that prepares every statement (imported only by a process on PostgreSQL)."""
+    import psycopg
+
+    class PreparingCursor(psycopg.Cursor):
+        def execute(self, query, params=None, *, prepare=None, binary=None):
+            try:
+                return super().execute(query, params, prepare=True, binary=binary)
+            except psycopg.Error as exc:
+                if exc.sqlstate in _LOST_PREPARED_STATEMENT:
+                    _refuse_preparing(exc)
+                if exc.sqlstate == _STALE_PLAN:
+                    # Its prepared statements go with the connection: the next one prepares afresh.
+                    # A connection error, so the delivery is tried again rather than failed.
+                    self.connection.close()
+                    raise psycopg.OperationalError(
+                        f"prepared statements outdated by a migration: {exc}"
+                    ) from exc
+                raise
+
+    return PreparingCursor

@@ -1,0 +1,106 @@
+"""The records layer: its SQL and its one Python explanation of the claim rule agree, on both databases.
+
+The claim rule is written once, in SQL (``sql/include/claim_rule.sql``), and
+decides inside every statement that claims a key. Python reads it back only
+to say why a claim was refused (:mod:`queueapp.records.rule`); here both
+judge every combination of a key's row and a delivery, and must agree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from broker_ext.records import Delivery
+from queueapp.delivery import DeliveryInfo
+from queueapp.models import TaskOutcome
+from queueapp.records import Records, rule
+from queueapp.records.statements import SQL_DIR, fragment, operation
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_too]
+
+STORED_TOKEN = 100
+STATUSES = TaskOutcome.Status.values
+TOKENS = (None, STORED_TOKEN - 50, STORED_TOKEN, STORED_TOKEN + 50)  # no broker token, below, equal, above
+TASK_IDS = ("t1", "another")  # the delivery's task id is t1
+STORED_RETRIES = (0, 1, 2)  # the delivery is retry 1: an older attempt holds the key, the same, a newer
+QUEUES = ("celery", "elsewhere", "")  # the row's queue is celery; "" is a delivery that names none
+COMBINATIONS = list(itertools.product(STATUSES, TOKENS, TASK_IDS, STORED_RETRIES, QUEUES))
+
+
+def delivery(token: int | None, queue: str) -> DeliveryInfo:
+    broker = Delivery(queue, "t1.1", token, 1) if token is not None else None
+    return DeliveryInfo(
+        task_id="t1", task_name="t", retries=1, broker=broker, queue=queue, message_id="t1.1", worker="w"
+    )
+
+
+def test_the_claim_rule_in_sql_and_its_explanation_in_python_agree_on_every_row_and_delivery():
+    records = Records()
+    queue_is_a_condition = records.dialect.name == "sqlite"  # (sql/sqlite/claim_key.sql says why)
+    rows = TaskOutcome.objects.bulk_create(
+        TaskOutcome(
+            idempotency_key=f"k{n}", task_name="t", status=status, fence_token=STORED_TOKEN, task_id=task_id,
+            retries=retries, queue="celery",
+        )
+        for n, (status, _, task_id, retries, _) in enumerate(COMBINATIONS)
+    )  # fmt: skip
+    disagreements = []
+    for row, (status, token, task_id, retries, queue) in zip(rows, COMBINATIONS, strict=True):
+        state = {"status": status, "fence_token": STORED_TOKEN, "task_id": task_id, "retries": retries}
+        python = rule.refusal(state, token=token, task_id="t1", retries=1) is None
+        expected = python and not (queue_is_a_condition and queue not in ("", "celery"))
+        values = records._claim_values(row.idempotency_key, delivery(token, queue), [], {}, timezone.now())
+        values.update(asynchronous=False, lease_deadline=records.dialect.timestamp(timezone.now()))
+        with transaction.atomic():
+            checked = records._run("check_claim", values)
+            claimed = records._run("claim_key", values)
+            transaction.set_rollback(True)
+        tokens = {claimed["claimed_token"]} if claimed else set()
+        wanted = (
+            {token if token is not None and token > STORED_TOKEN else STORED_TOKEN + 1} if expected else set()
+        )
+        if (claimed is not None, bool(checked["claimable"])) != (expected, expected) or tokens != wanted:
+            disagreements.append((status, token, task_id, retries, queue, python, claimed, checked))
+    assert len(COMBINATIONS) == 360
+    assert disagreements == []
+
+
+def test_a_refusal_is_explained_as_the_claim_under_the_row_lock_logs_it():
+    row = {"status": "succeeded", "fence_token": 5, "task_id": "t1", "retries": 0}
+    assert rule.refusal(row, token=9, task_id="t1", retries=0) == rule.Refusal(
+        rule.Why.SUPPRESSED, "key already succeeded"
+    )
+    row = {"status": "running", "fence_token": 5, "task_id": "t1", "retries": 2}
+    assert rule.refusal(row, token=9, task_id="t1", retries=1).detail == "attempt 1 superseded by retry 2"
+    row = {"status": "queued", "fence_token": 5, "task_id": "t1", "retries": 0}
+    assert rule.refusal(row, token=5, task_id="t1", retries=0).why is rule.Why.OUTRANKED
+
+
+def test_every_statement_file_says_what_it_does_and_the_text_sent_carries_no_comment():
+    files = sorted(SQL_DIR.rglob("*.sql"))
+    assert files
+    for path in files:
+        header = path.read_text().splitlines()[0]
+        assert header.startswith(f"-- {path.stem}: ") or path.parent.name == "include", path
+    names = {path.stem for path in files if path.parent.name != "include"}
+    for database, name in itertools.product(("postgresql", "sqlite"), sorted(names)):
+        for statement in operation(database, name).statements:
+            assert "--" not in statement, (database, name)
+    assert "@include" not in fragment("claim_assignments")
+
+
+def test_a_claim_inside_the_key_s_own_transaction_sees_the_rule_as_committed_by_others():
+    """Under the lock the refusal is decided on the row as it is now, not as the first statement saw it."""
+    records = Records()
+    TaskOutcome.objects.create(idempotency_key="k", task_name="t", status="succeeded", fence_token=3)
+    decision = records.claim("k", delivery(9, "celery"), args=[], kwargs={}, lease_seconds=30)
+    assert decision.__class__.__name__ == "Suppressed" and decision.status == "succeeded"
+    outcome = TaskOutcome.objects.get(idempotency_key="k")
+    assert (outcome.deliveries, outcome.suppressed_duplicates) == (1, 1)
+    assert outcome.updated_at > timezone.now() - timedelta(minutes=1)
+    assert connection.in_atomic_block is False
