@@ -128,9 +128,10 @@ def test_every_queue_and_priority_level_moves_with_its_eta_and_nothing_stays(
     stats = celery.stats()
     assert (stats.delayed, stats.counters["adopted"]) == (1, 6)
     assert json.loads(celery.payloads([f"{eta[0]}.0"])[0])["headers"]["eta"]
-    assert sorted(json.loads(c.payload)["headers"]["id"] for c in fenced_queue(
-        redis_server, fenced_db, "reports"
-    ).claim(10)) == sorted(reports)
+    assert sorted(
+        json.loads(c.payload)["headers"]["id"]
+        for c in fenced_queue(redis_server, fenced_db, "reports").claim(10)
+    ) == sorted(reports)
     assert not redis_server.client(db=fenced_db).exists(adopting_key())
 
 
