@@ -2,7 +2,7 @@
 
 ``{{ value|moment }}`` writes a moment (:func:`queueapp.times.moment`);
 ``{{ key|key }}`` a key or an id that keeps its start and end
-(:func:`queueapp.admin.columns.key_cell`).
+(:func:`queueapp.admin.columns.key_cell`; ``{{ key|key:48 }}`` keeps 48 characters).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from django import template
 
 from queueapp import times
-from queueapp.admin.columns import key_cell
+from queueapp.admin.columns import KEY_CHARS, key_cell
 
 register = template.Library()
 
@@ -22,6 +22,6 @@ def moment(value) -> str:
 
 
 @register.filter
-def key(value) -> str:
-    """A key (or a task or message id) shortened in the middle, the whole of it on hover."""
-    return key_cell(str(value)) if value else "-"
+def key(value, length: int = KEY_CHARS) -> str:
+    """A key (or a task or message id) shortened in the middle to ``length``, the whole of it on hover."""
+    return key_cell(str(value), int(length)) if value else "-"
