@@ -6,7 +6,8 @@ Two behaviours of Celery's own consumer fight the transport's guarantees:
 
 * A message whose body cannot be decoded is *acked*, so it vanishes. Here it
   is rejected instead, which dead-letters it with the reason; unknown and
-  invalid tasks keep their reason too, rather than a generic one.
+  invalid tasks keep their reason too, rather than a generic one, and so
+  does a task that raises ``Reject(reason, requeue=False)`` (:class:`Request`).
 * When the broker connection is lost, Celery closes the channel, which gives
   back every message the worker holds, including those of tasks still
   running: each would run a second time, concurrently. Here the running ones
@@ -26,8 +27,12 @@ from __future__ import annotations
 
 import logging
 
+from billiard.einfo import ExceptionWithTraceback
+from celery.app.task import Task
+from celery.exceptions import Reject
 from celery.worker import state
 from celery.worker.consumer import Consumer as CeleryConsumer
+from celery.worker.request import Request as CeleryRequest
 
 from broker_ext import control  # noqa: F401  (registers the worker's ``inspect scheduled``)
 from broker_ext.consumers import set_process_name
@@ -47,12 +52,35 @@ def _note_reason(message, reason: str) -> None:
         qos.note_reject_reason(message.delivery_tag, reason)
 
 
+class Request(CeleryRequest):
+    """Celery's request, whose ``Reject(reason, requeue=False)`` keeps its reason as the dead-letter reason.
+
+    The reject itself is made here, in the consumer's process, whatever pool
+    ran the task: the reason travels back with the exception.
+    """
+
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, Reject) and not exc.requeue and exc.reason:
+            _note_reason(self.message, f"rejected by task {self.task.name}: {exc.reason}")
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
 class Consumer(CeleryConsumer):
     """Celery's consumer; bad messages are dead-lettered with a reason, running tasks survive a reconnect."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         set_process_name(self.hostname)
+
+    def update_strategies(self) -> None:
+        """Tasks on Celery's own request class get :class:`Request` (a project's own class is left alone)."""
+        for task in self.app.tasks.values():
+            if task.Request == Task.Request:
+                task.Request = f"{__name__}:Request"
+        super().update_strategies()
 
     def on_decode_error(self, message, exc) -> None:
         if _fenced_qos(message) is None:

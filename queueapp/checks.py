@@ -35,12 +35,14 @@ import redis
 from celery import current_app
 from django.conf import settings
 from django.core import checks
+from django.db import connections
 from kombu.utils.imports import symbol_by_name
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_ext.worker import Consumer as FencedConsumer
 from queueapp import conf
+from queueapp.records.dialect import dialect_of
 
 #: Seconds the Redis checks wait to connect and for each reply.
 TIMEOUT = 1.0
@@ -281,14 +283,37 @@ def check_settings(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     ]
 
 
+def check_setting_values(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """A ``QUEUEAPP`` value of the wrong kind would fail (or misbehave) only when first used."""
+    return [
+        checks.Error(problem, hint="docs/guarantees.md lists every setting.", id="queueapp.E005")
+        for problem in conf.problems()
+    ]
+
+
+def check_records_database(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """The records' statements are written for PostgreSQL and SQLite (``queueapp/records/sql``)."""
+    alias = conf.get("DATABASE")
+    if alias not in connections or dialect_of(connections[alias]).name:
+        return []
+    return [
+        checks.Error(
+            f"The records' database {alias!r} ({connections[alias].display_name}) is neither PostgreSQL "
+            "nor SQLite.",
+            hint="Point QUEUEAPP['DATABASE'] at a PostgreSQL (or, for development, SQLite) database.",
+            id="queueapp.E006",
+        )
+    ]
+
+
 def check_database(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
     """SQLite must take its write lock when a transaction begins, not at its first write.
 
     With ``DEFERRED`` transactions (SQLite's default) a body that reads, then
     writes, fails at once with "database is locked" when another worker wrote
     in between (the busy timeout does not cover that case), and a delivery
-    cannot run its claim, body and success in one transaction
-    (:mod:`queueapp.held`). Read from the settings: no connection.
+    cannot write its key claim with its success (:mod:`queueapp.execution`).
+    Read from the settings: no connection.
     """
     alias = conf.get("DATABASE")
     engine, options = _database_settings(alias)
@@ -361,6 +386,8 @@ def register() -> None:
         check_serializers,
         check_acknowledgement,
         check_settings,
+        check_setting_values,
+        check_records_database,
         check_database,
         check_connect_timeout,
     ):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from broker_ext import options
+from queueapp import conf
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -49,3 +50,8 @@ def test_the_transport_options_tables_are_the_ones_the_code_declares():
     text = (ROOT / "docs" / "transport.md").read_text()
     assert options.markdown_table() in text
     assert options.kombu_markdown_table() in text
+
+
+def test_the_settings_table_is_the_one_queueapp_declares():
+    assert conf.markdown_table() in (ROOT / "docs" / "guarantees.md").read_text()
+    assert len(conf.SETTINGS) == len(conf.DEFAULTS) == 31

@@ -190,6 +190,27 @@ def test_unknown_queueapp_settings_are_a_warning(settings):
     assert message.id == "queueapp.W005" and "STUCK_AFTR" in message.msg
 
 
+def test_queueapp_settings_of_the_wrong_kind_are_errors(settings):
+    assert checks.check_setting_values() == []
+    settings.QUEUEAPP = {"DEFER_DELAY": -1, "QUEUED_BATCH_SIZE": 2.5, "METRICS_ALLOW": "10.0.0.0/8"}
+    messages = checks.check_setting_values()
+    assert [message.id for message in messages] == ["queueapp.E005"] * 3
+    assert "QUEUEAPP['DEFER_DELAY'] must be a number of seconds >= 0, not -1" in [m.msg for m in messages]
+
+
+def test_records_on_a_database_other_than_postgresql_or_sqlite_are_an_error(settings, monkeypatch):
+    from django.db import connections
+
+    assert checks.check_records_database() == []
+    settings.QUEUEAPP = {"DATABASE": "records"}
+    monkeypatch.setitem(connections.settings, "records", {"ENGINE": "django.db.backends.dummy"})
+    try:
+        (message,) = checks.check_records_database()
+    finally:
+        del connections["records"]
+    assert message.id == "queueapp.E006" and "'records'" in message.msg
+
+
 def test_sqlite_records_without_immediate_transactions_are_a_warning(settings, monkeypatch):
     settings.QUEUEAPP = {"DATABASE": "records"}
     monkeypatch.setitem(settings.DATABASES, "records", {"ENGINE": "django.db.backends.sqlite3", "NAME": "x"})
