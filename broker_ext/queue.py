@@ -19,6 +19,7 @@ import redis
 
 from broker_ext.errors import Reply
 from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
+from broker_ext.messages import BESIDE
 from broker_ext.options import QueueOptions
 from broker_ext.records import (
     Claimed,
@@ -123,12 +124,20 @@ class FencedQueue:
         args: list = [self.options.signal_cap, self.options.ttl_ms]
         for message in messages:
             window = message.dedup_window_ms if message.dedup_key else 0
+            publish_id = message.publish_id or message.message_id
             args += [message.message_id, message.payload, message.priority, message.delay_ms, window]
+            args.append(publish_id)
         dedup_keys = [self.keys.dedup(message.dedup_key or "") for message in messages]
         return self._call("publish", args, dedup=dedup_keys)
 
     def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
-        """Store messages (idempotent on id); one reply per message."""
+        """Store messages (idempotent on each one's publish id); one reply per message.
+
+        ``DUPLICATE``: that publish id was already stored for that message id
+        (it is live, or was acked within ``publish_dedup_window``); nothing was
+        written. A new publish id for a live message id is stored beside it
+        under ``<message id>~<n>`` (``OK``).
+        """
         return self.run(self.publish_call(messages))
 
     # -- consume -------------------------------------------------------------------------
@@ -300,11 +309,25 @@ class FencedQueue:
         """Where this queue holds each message, in one pipelined round trip; read-only.
 
         A message whose state record is gone is :attr:`Place.ABSENT`; otherwise
-        the sorted set it sits in decides.
+        the sorted set it sits in decides. An id that is gone (acked) while a
+        later publish of the same id is stored beside it (``<id>~<n>``) is
+        answered with that one, so a lookup by task id still finds the task's
+        message (one more round trip, only then).
         """
         ids = list(dict.fromkeys(message_ids))
         if not ids:
             return {}
+        found, beside = self._locate(ids)
+        if beside:
+            later = self._locate([stored for stored_ids in beside.values() for stored in stored_ids])[0]
+            for message_id, stored_ids in beside.items():
+                live = [later[stored] for stored in stored_ids if later[stored].in_broker]
+                if live:
+                    found[message_id] = live[0]
+        return found
+
+    def _locate(self, ids: list[str]) -> tuple[dict[str, MessageState], dict[str, list[str]]]:
+        """:meth:`locate` of ``ids`` as stored, and the ids stored beside each one that is gone."""
         k = self.keys
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
@@ -312,13 +335,18 @@ class FencedQueue:
         pipe.hmget(k.reasons, ids)
         for zset in (k.leases, k.dead, k.delayed, k.ready):
             pipe.zmscore(zset, ids)
-        now, states, reasons, leases, dead, delayed, ready = pipe.execute()
+        pipe.hmget(k.acks, ids)
+        now, states, reasons, leases, dead, delayed, ready, acked = pipe.execute()
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         found: dict[str, MessageState] = {}
+        beside: dict[str, list[str]] = {}
         for i, message_id in enumerate(ids):
             state = StoredState.parse(states[i])
             if state is None:
                 found[message_id] = MessageState(self.name, message_id, Place.ABSENT, server_now_ms=now_ms)
+                stored_beside = stored_beside_of(message_id, _acked_publish_ids(acked[i]))
+                if stored_beside:
+                    beside[message_id] = stored_beside
                 continue
             place, score = Place.READY, None
             for candidate, scores in ((Place.LEASED, leases), (Place.DEAD, dead), (Place.DELAYED, delayed)):
@@ -341,7 +369,7 @@ class FencedQueue:
                 state.charged,
                 state.interrupted,
             )
-        return found
+        return found, beside
 
     def payloads(self, message_ids: Sequence[str]) -> list[bytes | None]:
         """The stored Kombu payloads of ``message_ids`` (``None`` where there is none), in order."""
@@ -480,6 +508,19 @@ def _json_object(raw: bytes | str | None) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _acked_publish_ids(raw: bytes | str | None) -> str:
+    """The publish ids in an ``acks`` record ("token|claim|publish ids"; older records have none)."""
+    parts = _text(raw).split("|", 2) if raw else []
+    return parts[2] if len(parts) == 3 else ""
+
+
+def stored_beside_of(message_id: str, publish_ids: str) -> list[str]:
+    """The ids that later publishes of ``message_id`` were stored under, from its publish ids list
+    (``lua/include/publish_ids.lua``: an entry ``P~n`` went to ``<message id>~n``)."""
+    entries = [entry.partition(BESIDE) for entry in publish_ids.split(",")]
+    return [f"{message_id}{BESIDE}{number}" for _, separator, number in entries if separator]
 
 
 def _reason_of(raw: bytes | str | None) -> str:

@@ -40,7 +40,19 @@ LUA_DIR = Path(__file__).with_name("lua")
 #: Each script's KEYS in order, by role: a :class:`~broker_ext.keys.QueueKeys` attribute, or a
 #: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last).
 SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
-    "publish": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "dedups", "dedup"),
+    "publish": (
+        "bodies",
+        "state",
+        "ready",
+        "delayed",
+        "seq",
+        "done",
+        "signal",
+        "stats",
+        "dedups",
+        "acks",
+        "dedup",
+    ),
     "claim": (
         "ready",
         "delayed",

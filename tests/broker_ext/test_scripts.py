@@ -72,6 +72,48 @@ def test_publish_of_an_id_acked_within_the_window_is_a_duplicate(queue):
     assert queue.size() == 0
 
 
+def test_a_resend_of_a_publish_is_a_duplicate_and_another_publish_of_its_id_a_new_message(queue):
+    """A publish id names one publish call: its resend is absorbed, a new publish of the same id runs."""
+    first = message("task.0", body='{"n": 1}', publish_id="p1")
+    second = message("task.0", body='{"n": 2}', publish_id="p2")
+    assert queue.publish([first]) == [Reply.OK]
+    assert queue.publish([second]) == [Reply.OK]  # the first is still live: stored beside it
+    assert queue.publish([first, second]) == [Reply.DUPLICATE, Reply.DUPLICATE]  # resends of both
+    claimed = queue.claim(5)
+    assert [(c.delivery.message_id, c.payload) for c in claimed] == [
+        ("task.0", b'{"n": 1}'),
+        (f"task.0~{claimed[1].delivery.message_id.split('~')[1]}", b'{"n": 2}'),
+    ]
+    assert queue.ack([c.delivery for c in claimed]) == [Reply.OK, Reply.OK]
+    assert queue.publish([first, second]) == [Reply.DUPLICATE, Reply.DUPLICATE]  # acked, in the window
+    third = message("task.0", body='{"n": 3}', publish_id="p3")
+    assert queue.publish([third]) == [Reply.OK]  # the first was acked: stored under its own id again
+    assert queue.publish([first, second, third]) == [Reply.DUPLICATE] * 3
+    (again,) = queue.claim(5)
+    assert (again.delivery.message_id, again.payload) == ("task.0", b'{"n": 3}')
+    assert queue.stats().counters["duplicate_publishes"] == 7
+
+
+def test_a_publish_without_a_publish_id_is_idempotent_on_its_message_id(queue):
+    assert queue.publish([message("a"), message("a")]) == [Reply.OK, Reply.DUPLICATE]
+    assert queue.publish([message("a", publish_id="a")]) == [Reply.DUPLICATE]
+
+
+@pytest.mark.parametrize("publish_id", ["has space", "a,b", "a|b", "a~1", "x" * 129])
+def test_a_malformed_publish_id_is_refused_before_any_write(queue, redis_client, publish_id):
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="publish id must be"):
+        queue.publish([message("a", publish_id=publish_id)])
+    assert snapshot(redis_client) == before
+
+
+def test_a_record_written_before_publish_ids_existed_absorbs_any_publish_of_its_id(queue, redis_client):
+    """An upgrade keeps the old guarantee for messages stored before it: one message per id."""
+    queue.publish([message("old")])
+    redis_client.hset(queue.keys.state, "old", "0|0|0|0|0|1|0|")  # the eight-field record of before
+    assert queue.publish([message("old", publish_id="new-call")]) == [Reply.DUPLICATE]
+
+
 def test_dedup_key_deduplicates_logically_equal_publishes_within_its_window(queue, redis_client):
     first = message("a", dedup_key="charge:1", dedup_window_ms=200)
     second = message("b", dedup_key="charge:1", dedup_window_ms=200)
@@ -470,7 +512,7 @@ def test_a_priority_must_be_a_whole_number(queue, redis_client):
     with pytest.raises(ScriptRefused, match=r"BADARG ARGV\[5\] must be an int or text, not 5\.5"):
         queue.publish([message("a", priority=5.5)])
     with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
-        _call(queue, "publish", [64, 0, "a", "{}", "5.5", 0, 0], dedup=[queue.keys.dedup("")])
+        _call(queue, "publish", [64, 0, "a", "{}", "5.5", 0, 0, "p"], dedup=[queue.keys.dedup("")])
     assert snapshot(redis_client) == before
 
 
@@ -482,7 +524,7 @@ def test_a_negative_zero_or_float_priority_is_refused_not_stored_as_a_state_nobo
     before = snapshot(redis_client)
     with pytest.raises(ScriptRefused, match="BADARG"):
         if isinstance(priority, str):
-            _call(queue, "publish", [64, 0, "a", "{}", priority, 0, 0], dedup=[queue.keys.dedup("")])
+            _call(queue, "publish", [64, 0, "a", "{}", priority, 0, 0, "p"], dedup=[queue.keys.dedup("")])
         else:
             queue.publish([message("a", priority=priority)])
     assert snapshot(redis_client) == before
@@ -597,10 +639,10 @@ def _call(queue, script: str, args: list, **per_call):
 @pytest.mark.parametrize(
     ("script", "args", "position"),
     [
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 4),  # the message's priority
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 5),  # its delay
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 6),  # its dedup window
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 1),  # the queue ttl
+        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 4),  # the message's priority
+        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 5),  # its delay
+        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 6),  # its dedup window
+        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 1),  # the queue ttl
         ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 1),  # the lease
         ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 0),  # the count
         ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 9),  # the queue ttl
@@ -658,8 +700,8 @@ def test_each_script_header_names_its_keys_in_the_order_python_sends_them():
         named = [
             role for _, role in sorted((int(i), r) for i, r in re.findall(r"KEYS\[(\d+)\]\s+(\w+)", header))
         ]
-        if name == "publish":  # the dedup key is KEYS[9+i], one per message
-            assert named == list(roles[:-1]) and "KEYS[9+i] dedup" in header
+        if name == "publish":  # the dedup key is KEYS[10+i], one per message
+            assert named == list(roles[:-1]) and "KEYS[10+i] dedup" in header
         else:
             assert named == list(roles), name
 
