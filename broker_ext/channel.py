@@ -4,7 +4,7 @@ Kombu's virtual-channel contract is a few hooks (``_put``, ``_get``,
 ``_size``, ``_purge``, ``_delete``, ``_new_queue``, ``_has_queue``) plus the
 QoS; each is overridden here to call :class:`~broker_ext.queue.FencedQueue`.
 The consume path (:mod:`broker_ext.consume`) keeps Kombu's BRPOP machinery,
-pointed at a per-queue signal list; ending deliveries is the QoS's
+blocking on a per-queue wake-up marker instead; ending deliveries is the QoS's
 (:mod:`broker_ext.qos`). Options are declared once, in
 :mod:`broker_ext.options`.
 """

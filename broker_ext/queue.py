@@ -121,7 +121,7 @@ class FencedQueue:
     # -- publish -------------------------------------------------------------------------
 
     def publish_call(self, messages: Sequence[OutgoingMessage]) -> ScriptCall:
-        args: list = [self.options.signal_cap, self.options.ttl_ms]
+        args: list = [self.options.ttl_ms]
         for message in messages:
             window = message.dedup_window_ms if message.dedup_key else 0
             publish_id = message.publish_id or message.message_id
@@ -142,8 +142,15 @@ class FencedQueue:
 
     # -- consume -------------------------------------------------------------------------
 
-    def claim_call(self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None) -> ScriptCall:
-        """A claim of up to ``count`` messages; a resent call with the same ``claim_id`` answers the same."""
+    def claim_call(
+        self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
+    ) -> ScriptCall:
+        """A claim of up to ``count`` messages; a resent call with the same ``claim_id`` answers the same.
+
+        ``wake_next``: while messages remain ready, set the queue's wake-up
+        marker for the next idle consumer (a busy consumer that claims again
+        at once passes ``False``).
+        """
         claim_id = claim_id or new_claim_id()
         o = self.options
         args = [
@@ -157,6 +164,7 @@ class FencedQueue:
             o.max_interruptions,
             o.reclaim_limit,
             o.ttl_ms,
+            int(wake_next),
         ]
 
         def decode(reply: list) -> list[Claimed]:
@@ -172,9 +180,11 @@ class FencedQueue:
 
         return self._call("claim", args, decode, request=self.keys.claim_request(claim_id))
 
-    def claim(self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None) -> list[Claimed]:
+    def claim(
+        self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
+    ) -> list[Claimed]:
         """Lease up to ``count`` ready messages (reclaiming expired leases and promoting due delays first)."""
-        return self.run(self.claim_call(count, no_ack=no_ack, claim_id=claim_id))
+        return self.run(self.claim_call(count, no_ack=no_ack, claim_id=claim_id, wake_next=wake_next))
 
     def ack_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
         return self._call("ack", [self.options.done_window_ms, self.options.ttl_ms, *_triples(deliveries)])
@@ -208,7 +218,7 @@ class FencedQueue:
         dead-letter reason of a message out of deliveries.
         """
         o = self.options
-        args = [o.max_deliveries, int(counted), delay_ms, token_floor, o.signal_cap, reason, o.ttl_ms]
+        args = [o.max_deliveries, int(counted), delay_ms, token_floor, reason, o.ttl_ms]
         replies = self.run(self._call("requeue", [*args, *_triples(deliveries)]))
         why = f"{reason or 'rejected'}: out of deliveries (max_deliveries {o.max_deliveries})"
         self._announce(_dead_lettered([d.message_id for d in deliveries], replies, why))
@@ -232,7 +242,7 @@ class FencedQueue:
 
     def reclaim_call(self, limit: int = 1000) -> ScriptCall:
         o = self.options
-        args = [o.max_deliveries, o.max_interruptions, limit, o.signal_cap, o.lease_ms, o.ttl_ms]
+        args = [o.max_deliveries, o.max_interruptions, limit, o.lease_ms, o.ttl_ms]
 
         def decode(reply: list) -> ReclaimResult:
             result = ReclaimResult(int(reply[0]), _reasons(reply[2:]))
@@ -274,7 +284,7 @@ class FencedQueue:
             delivery = (seen or {}).get(message_id)
             triples += _triples([delivery]) if delivery is not None else [message_id, "*", "*"]
         o = self.options
-        return self.run(self._call("revive", [int(reset_deliveries), o.signal_cap, o.ttl_ms, *triples]))
+        return self.run(self._call("revive", [int(reset_deliveries), o.ttl_ms, *triples]))
 
     def purge(self, batch: int = 1000) -> int:
         """Delete every ready message; returns how many."""
@@ -488,8 +498,8 @@ class FencedQueue:
         return bool(self.client.exists(k.ready, k.delayed, k.leases, k.bodies))
 
     def delete(self) -> None:
-        """Remove every key of the queue (``queue_delete``)."""
-        self.client.delete(*self.keys.all_static())
+        """Remove every key of the queue (``queue_delete``), those of earlier versions too."""
+        self.client.delete(*self.keys.all_static(), *self.keys.retired())
 
     def touch(self, ttl_ms: int) -> None:
         """Push the expiry of every key of a queue declared with ``x-expires`` (kept alive while used)."""

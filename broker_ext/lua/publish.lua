@@ -21,16 +21,15 @@ KEYS[3]  ready    zset   id -> priority * 1e14 + seq
 KEYS[4]  delayed  zset   id -> due ms (server time)
 KEYS[5]  seq      string per-queue sequence
 KEYS[6]  done     zset   recently acked ids
-KEYS[7]  signal   list   consumer wake-up tokens
+KEYS[7]  wake     zset   the wake-up marker of blocked consumers (lua/include/wake.lua)
 KEYS[8]  stats    hash   counters
 KEYS[9]  dedups   list   recent deduplicated publishes (capped)
 KEYS[10] acks     hash   acked id -> "token|claim|publish ids" (lua/include/publish_ids.lua)
 KEYS[10+i] dedup  string dedup key of message i (a placeholder key when it has none)
 
-ARGV[1]  signal cap (max length of the signal list)
-ARGV[2]  queue ttl ms (0: the queue does not expire): every key of the queue expires then,
+ARGV[1]  queue ttl ms (0: the queue does not expire): every key of the queue expires then,
          unless a consumer keeps it alive
-ARGV[3+6*(i-1) ...] per message i: id, payload, priority 0-9, delay ms,
+ARGV[2+6*(i-1) ...] per message i: id, payload, priority 0-9, delay ms,
          dedup window ms (0: no dedup key), publish id (letters, digits and _.:@/+=-)
 
 Reply: one integer per message:
@@ -45,20 +44,20 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "state"
 --- @include "publish_ids"
 --- @include "ready"
+--- @include "wake"
 --- @include "keep_expiry"
-local bodies, state, ready, delayed, seq, done, signal, stats, dedups, acks =
+local bodies, state, ready, delayed, seq, done, wake_key, stats, dedups, acks =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local count = (#ARGV - 2) / 6
+local count = (#ARGV - 1) / 6
 if count < 1 or count ~= math.floor(count) or #KEYS ~= 10 + count then
-  error({err = 'FENCED BADARG publish needs 10 + n keys and 2 + 6n arguments'})
+  error({err = 'FENCED BADARG publish needs 10 + n keys and 1 + 6n arguments'})
 end
-local signal_cap = arg_int(ARGV[1], 'signal cap', 1, 1e6)
-local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
+local ttl = arg_int(ARGV[1], 'queue ttl', 0, 1e12)
 local types = {{bodies, 'hash'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {seq, 'string'},
-               {done, 'zset'}, {signal, 'list'}, {stats, 'hash'}, {dedups, 'list'}, {acks, 'hash'}}
+               {done, 'zset'}, {wake_key, 'zset'}, {stats, 'hash'}, {dedups, 'list'}, {acks, 'hash'}}
 local messages = {}
 for i = 1, count do
-  local base = 3 + 6 * (i - 1)
+  local base = 2 + 6 * (i - 1)
   local id, publish_id = ARGV[base], ARGV[base + 5]
   if id == '' or string.find(id, '\n', 1, true) then
     error({err = 'FENCED BADARG message ' .. i .. ': the id must be non-empty and hold no newline'})
@@ -79,7 +78,7 @@ check_types(types)
 
 local now_ms = server_time()
 local replies = {}
-local stored, duplicates, deduplicated = 0, 0, 0
+local stored, duplicates, deduplicated, made_ready = 0, 0, 0, false
 for i, m in ipairs(messages) do
   -- A resend finds its publish id in the record of its message id: live, or acked within the window.
   -- A new message of an id acked within the window keeps that record's publish ids in its own.
@@ -118,7 +117,7 @@ for i, m in ipairs(messages) do
       redis.call('ZADD', delayed, now_ms + m.delay, id)
     else
       make_ready(ready, seq, id, m.priority, false)
-      redis.call('LPUSH', signal, '1')
+      made_ready = true
     end
     if m.window > 0 then
       redis.call('SET', m.dedup, id, 'PX', ttl > 0 and math.min(m.window, ttl) or m.window)
@@ -127,11 +126,9 @@ for i, m in ipairs(messages) do
     stored = stored + 1
   end
 end
-if stored > 0 then
-  redis.call('LTRIM', signal, 0, signal_cap - 1)
-  redis.call('HINCRBY', stats, 'published', stored)
-end
+if made_ready then wake(wake_key) end
+if stored > 0 then redis.call('HINCRBY', stats, 'published', stored) end
 if duplicates > 0 then redis.call('HINCRBY', stats, 'duplicate_publishes', duplicates) end
 if deduplicated > 0 then redis.call('HINCRBY', stats, 'deduplicated_publishes', deduplicated) end
-keep_expiry(ttl, {bodies, state, ready, delayed, seq, done, signal, stats, dedups, acks})
+keep_expiry(ttl, {bodies, state, ready, delayed, seq, done, wake_key, stats, dedups, acks})
 return replies

@@ -281,7 +281,7 @@ def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(
         producer = Producer(conn.channel())
         for n in range(300):
             producer.publish({"n": n}, exchange=queue.exchange, routing_key="busy", declare=[queue])
-        redis_client.delete(conn.default_channel.fenced_queue("busy").keys.signal)  # no wake-ups at all
+        redis_client.delete(conn.default_channel.fenced_queue("busy").keys.wake)  # no wake-up at all
         redis_client.config_resetstat()
         got: list = []
         with consume(conn, queue, got, prefetch=1) as consumer:
@@ -292,5 +292,5 @@ def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(
             stats = consumer.channel.fenced_queue("busy").stats()
         assert sorted(body["n"] for body, _ in got) == list(range(300))
         assert (stats.ready, stats.leased) == (0, 0)
-        brpops = redis_client.info("commandstats").get("cmdstat_brpop", {}).get("calls", 0)
-        assert brpops < 20, f"{brpops} BRPOPs for 300 messages: the consumer did not claim as it polled"
+        waits = redis_client.info("commandstats").get("cmdstat_bzpopmin", {}).get("calls", 0)
+        assert waits < 20, f"{waits} BZPOPMINs for 300 messages: the consumer did not claim as it polled"

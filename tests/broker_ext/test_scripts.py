@@ -375,7 +375,7 @@ def test_stats_report_depths_and_oldest_ready_age(queue):
         ("dead", lambda q: q.requeue([Delivery("jobs", "a", 1)])),
         ("reasons", lambda q: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
         ("seq", lambda q: q.claim(1)),
-        ("signal", lambda q: q.revive(["a"])),
+        ("wake", lambda q: q.revive(["a"])),
         ("bodies", lambda q: q.purge()),
     ],
 )
@@ -509,10 +509,10 @@ def test_every_delivery_given_back_is_logged_with_its_reason_and_a_resent_requeu
 
 def test_a_priority_must_be_a_whole_number(queue, redis_client):
     before = snapshot(redis_client)
-    with pytest.raises(ScriptRefused, match=r"BADARG ARGV\[5\] must be an int or text, not 5\.5"):
+    with pytest.raises(ScriptRefused, match=r"BADARG ARGV\[4\] must be an int or text, not 5\.5"):
         queue.publish([message("a", priority=5.5)])
     with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
-        _call(queue, "publish", [64, 0, "a", "{}", "5.5", 0, 0, "p"], dedup=[queue.keys.dedup("")])
+        _call(queue, "publish", [0, "a", "{}", "5.5", 0, 0, "p"], dedup=[queue.keys.dedup("")])
     assert snapshot(redis_client) == before
 
 
@@ -524,7 +524,7 @@ def test_a_negative_zero_or_float_priority_is_refused_not_stored_as_a_state_nobo
     before = snapshot(redis_client)
     with pytest.raises(ScriptRefused, match="BADARG"):
         if isinstance(priority, str):
-            _call(queue, "publish", [64, 0, "a", "{}", priority, 0, 0, "p"], dedup=[queue.keys.dedup("")])
+            _call(queue, "publish", [0, "a", "{}", priority, 0, 0, "p"], dedup=[queue.keys.dedup("")])
         else:
             queue.publish([message("a", priority=priority)])
     assert snapshot(redis_client) == before
@@ -583,15 +583,18 @@ def test_revive_with_the_token_seen_takes_a_message_from_a_lease_and_fences_its_
 
 
 def test_a_claim_that_leaves_messages_ready_leaves_a_wake_up_for_the_next_consumer(queue, redis_client):
-    """Publishes keep at most signal_cap wake-ups; without this a prefetch-1 consumer would stall."""
-    queue.publish([message(str(i)) for i in range(100)])
-    assert redis_client.llen(queue.keys.signal) == 64
-    redis_client.delete(queue.keys.signal)  # every wake-up consumed, 100 messages still ready
+    """A publish sets one marker however many it stores; without this a prefetch-1 consumer would stall."""
+    for i in range(100):
+        queue.publish([message(str(i))])
+    assert redis_client.zrange(queue.keys.wake, 0, -1) == [b"ready"]
+    redis_client.delete(queue.keys.wake)  # one consumer took it; 100 messages still ready
     queue.claim(1)
-    assert redis_client.llen(queue.keys.signal) == 1
-    redis_client.delete(queue.keys.signal)
+    assert redis_client.zcard(queue.keys.wake) == 1
+    redis_client.delete(queue.keys.wake)
+    queue.claim(1, wake_next=False)  # a busy consumer's poll: it claims again at once itself
+    assert redis_client.zcard(queue.keys.wake) == 0
     queue.claim(200)  # the queue is empty now: nobody needs waking
-    assert redis_client.llen(queue.keys.signal) == 0
+    assert redis_client.zcard(queue.keys.wake) == 0
 
 
 def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_nothing(queue, redis_client):
@@ -639,25 +642,26 @@ def _call(queue, script: str, args: list, **per_call):
 @pytest.mark.parametrize(
     ("script", "args", "position"),
     [
-        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 4),  # the message's priority
-        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 5),  # its delay
-        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 6),  # its dedup window
-        ("publish", [64, 0, "m", "{}", 0, 0, 0, "p"], 1),  # the queue ttl
-        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 1),  # the lease
-        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 0),  # the count
-        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 9),  # the queue ttl
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 3),  # the message's priority
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 4),  # its delay
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 5),  # its dedup window
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 0),  # the queue ttl
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 1),  # the lease
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 0),  # the count
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 9),  # the queue ttl
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 10),  # wake the next
         ("ack", [60_000, 0, "a", "1", ""], 0),
         ("extend", [30_000, 0, "a", "1", ""], 0),
         ("extend", [30_000, 0, "a", "1", ""], 1),
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 2),  # the delay
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 3),  # the token floor
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 6),  # the queue ttl
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 8),  # the token
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 2),  # the delay
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 3),  # the token floor
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 5),  # the queue ttl
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 7),  # the token
         ("dead_letter", ["why", 0, "a", "1", ""], 1),
-        ("reclaim", [5, 10, 100, 64, 30_000, 0], 4),
-        ("reclaim", [5, 10, 100, 64, 30_000, 0], 5),
-        ("revive", [1, 64, 0, "a", "1", ""], 1),
-        ("revive", [1, 64, 0, "a", "1", ""], 2),
+        ("reclaim", [5, 10, 100, 30_000, 0], 3),
+        ("reclaim", [5, 10, 100, 30_000, 0], 4),
+        ("revive", [1, 0, "a", "1", ""], 0),
+        ("revive", [1, 0, "a", "1", ""], 1),
         ("purge", [100], 0),
     ],
 )
