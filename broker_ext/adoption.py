@@ -30,7 +30,6 @@ stopped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -41,7 +40,7 @@ import redis
 
 from broker_ext.errors import MessageTooLarge, Reply
 from broker_ext.keys import adopting_key
-from broker_ext.messages import envelope_problem
+from broker_ext.messages import derived_publish_id, envelope_problem
 from broker_ext.records import AdoptedMessage, StockSource
 from broker_ext.scripts import SCRIPT_KEYS, ScriptCall, register, run_call
 
@@ -143,12 +142,12 @@ def _text(value: bytes | str) -> str:
 
 
 def publish_id_of(payload: dict, raw: bytes | str) -> str:
-    """A stock message's publish id: its Kombu delivery tag (a uuid per publish), else its bytes' hash."""
+    """A stock message's publish id, derived from its Kombu delivery tag (a uuid per publish, kept by
+    every stock redelivery), else from its bytes: the same stock message always gets the same one."""
     tag = (payload.get("properties") or {}).get("delivery_tag")
     if isinstance(tag, str) and tag:
-        return f"stock:{tag}"
-    data = raw.encode() if isinstance(raw, str) else raw
-    return f"stock-sha256:{hashlib.sha256(data).hexdigest()}"
+        return derived_publish_id("stock", tag)
+    return derived_publish_id("stock-bytes", _text(raw))
 
 
 def _kombu_message(raw: bytes | str) -> dict | None:
@@ -348,7 +347,8 @@ class Mover:
     def _message(self, payload: dict, raw: bytes | str, *, stored: str | bytes) -> AdoptedMessage:
         """What a fenced queue stores of a stock message, ``stored`` as its payload (or MessageTooLarge)."""
         outgoing = self.fenced.outgoing(payload)
-        return AdoptedMessage(publish_id_of(payload, raw), replace(outgoing, payload=stored, dedup_key=None))
+        publish_id = publish_id_of(payload, raw)
+        return AdoptedMessage(replace(outgoing, payload=stored, dedup_key=None, publish_id=publish_id))
 
     def _list_candidate(self, queue: str, raw: bytes, left: Counter) -> Candidate | None:
         payload = _kombu_message(raw)
@@ -435,7 +435,8 @@ class Mover:
             for name, value in batch:
                 queue, publish_id = json.loads(name)
                 message = self.fenced.outgoing(json.loads(value))
-                adopted = AdoptedMessage(publish_id, replace(message, payload=value, dedup_key=None))
+                stored = replace(message, payload=value, dedup_key=None, publish_id=publish_id)
+                adopted = AdoptedMessage(stored)
                 by_queue.setdefault(queue, []).append((name, adopted))
             report.journal += len(batch)
             if not dry_run:

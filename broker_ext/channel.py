@@ -4,7 +4,7 @@ Kombu's virtual-channel contract is a few hooks (``_put``, ``_get``,
 ``_size``, ``_purge``, ``_delete``, ``_new_queue``, ``_has_queue``) plus the
 QoS; each is overridden here to call :class:`~broker_ext.queue.FencedQueue`.
 The consume path (:mod:`broker_ext.consume`) keeps Kombu's BRPOP machinery,
-pointed at a per-queue signal list; ending deliveries is the QoS's
+blocking on a per-queue wake-up marker instead; ending deliveries is the QoS's
 (:mod:`broker_ext.qos`). Options are declared once, in
 :mod:`broker_ext.options`.
 """
@@ -26,7 +26,13 @@ from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
 from broker_ext.consume import Consuming, PendingClaim
 from broker_ext.errors import MessageTooLarge, Reply
-from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER, delay_ms_of, message_id_of
+from broker_ext.messages import (
+    DEDUP_KEY_HEADER,
+    DEDUP_WINDOW_HEADER,
+    delay_ms_of,
+    message_id_of,
+    publish_id_of,
+)
 from broker_ext.qos import FencedQoS
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
@@ -153,6 +159,7 @@ class Channel(Consuming, kombu_redis.Channel):
 
     def outgoing(self, message: dict) -> OutgoingMessage:
         """Turn a Kombu message into what the publish script stores, or refuse it."""
+        publish_id = publish_id_of(message)  # First: a retry of this publish stores the same payload.
         payload = dumps(message)
         size = len(payload.encode()) if isinstance(payload, str) else len(payload)
         limit = self.settings.max_message_size
@@ -171,6 +178,7 @@ class Channel(Consuming, kombu_redis.Channel):
             delay_ms=delay_ms_of(message),
             dedup_key=str(dedup_key) if dedup_key else None,
             dedup_window_ms=int(window * 1000) if dedup_key else 0,
+            publish_id=publish_id,
         )
 
     def _priority_of(self, message: dict) -> int:

@@ -18,7 +18,7 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:done``    zset    acked ids -> acked at (publish dedup window)
 ``fenced:{T}:acks``    hash    acked ids -> "token|claim" of the delivery that acked it
 ``fenced:{T}:seq``     string  per-queue sequence for FIFO order within a priority
-``fenced:{T}:signal``  list    wake-up tokens for blocked consumers (capped)
+``fenced:{T}:wake``    zset    the wake-up marker idle consumers block on (one member)
 ``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
@@ -112,8 +112,8 @@ class QueueKeys:
         return self._key("seq")
 
     @cached_property
-    def signal(self) -> str:
-        return self._key("signal")
+    def wake(self) -> str:
+        return self._key("wake")
 
     @cached_property
     def stats(self) -> str:
@@ -135,6 +135,10 @@ class QueueKeys:
     def adopted(self) -> str:
         return self._key("adopted")
 
+    def retired(self) -> list[str]:
+        """Keys earlier versions wrote that this one no longer does (a queue's delete removes them)."""
+        return [self._key("signal")]
+
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")
 
@@ -154,7 +158,7 @@ class QueueKeys:
             self.done,
             self.acks,
             self.seq,
-            self.signal,
+            self.wake,
             self.stats,
             self.dedups,
             self.reclaims,

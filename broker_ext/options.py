@@ -106,7 +106,6 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         "a larger publish raises MessageTooLarge, a larger stored one is dead-lettered on delivery",
         kind="count",
     ),
-    Option("signal_cap", 64, "", "longest the wake-up list grows", kind="count"),
     Option(
         "ack_flush_interval",
         0.05,
@@ -193,7 +192,11 @@ KOMBU_OPTIONS: dict[str, KombuOption] = {
         KombuOption(
             "deadletter_queue", "honoured", "Kombu's own (unused by Celery); fenced has a dead set per queue"
         ),
-        KombuOption("polling_interval", "honoured", "the BRPOP timeout of an idle consumer, as redis://"),
+        KombuOption(
+            "polling_interval",
+            "honoured",
+            "how long an idle consumer blocks before it claims anyway (redis://: the BRPOP timeout)",
+        ),
         KombuOption("sentinel_fanout_compat", "refused", "fenced:// on Sentinel has one fanout behaviour"),
     )
 }
@@ -207,7 +210,6 @@ class QueueOptions:
     max_deliveries: int = 5
     max_interruptions: int = 10
     done_window_ms: int = 60_000
-    signal_cap: int = 64
     claim_request_ttl_ms: int = 60_000
     promote_limit: int = 100
     reclaim_limit: int = 100
@@ -293,7 +295,6 @@ def resolve(values: Callable[[str], Any]) -> TransportSettings:
             max_deliveries=int(values("max_deliveries")),
             max_interruptions=int(values("max_interruptions")),
             done_window_ms=int(float(values("publish_dedup_window")) * 1000),
-            signal_cap=int(values("signal_cap")),
         ),
     )
 

@@ -41,8 +41,9 @@ LUA_DIR = Path(__file__).with_name("lua")
 #: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last;
 #: ``journal``, ``unacked``, ``unacked_index``, ``list``: keys of a stock Kombu Redis, see
 #: :mod:`broker_ext.adoption`).
+_PUBLISHING = ("bodies", "state", "ready", "delayed", "seq", "done", "wake", "stats", "dedups", "acks")
 SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
-    "publish": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "dedups", "dedup"),
+    "publish": (*_PUBLISHING, "dedup"),
     "claim": (
         "ready",
         "delayed",
@@ -54,7 +55,7 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "request",
         "dead",
         "reasons",
-        "signal",
+        "wake",
         "reclaims",
     ),
     "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "stats"),
@@ -65,33 +66,20 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "ready",
         "delayed",
         "seq",
-        "signal",
+        "wake",
         "stats",
         "dead",
         "reasons",
         "requeues",
     ),
     "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "stats"),
-    "reclaim": ("leases", "state", "ready", "seq", "signal", "stats", "dead", "reasons", "reclaims"),
-    "revive": ("dead", "reasons", "state", "ready", "seq", "signal", "stats", "leases", "delayed"),
+    "reclaim": ("leases", "state", "ready", "seq", "wake", "stats", "dead", "reasons", "reclaims"),
+    "revive": ("dead", "reasons", "state", "ready", "seq", "wake", "stats", "leases", "delayed"),
     "purge": ("ready", "bodies", "state", "stats"),
     "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats"),
     "report_consumer": ("consumers",),
-    "adopt": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "adopted"),
-    "adopt_local": (
-        "bodies",
-        "state",
-        "ready",
-        "delayed",
-        "seq",
-        "done",
-        "signal",
-        "stats",
-        "adopted",
-        "unacked",
-        "unacked_index",
-        "list",
-    ),
+    "adopt": (*_PUBLISHING, "adopted"),
+    "adopt_local": (*_PUBLISHING, "adopted", "unacked", "unacked_index", "list"),
     "adopt_take": ("journal", "unacked", "unacked_index", "list"),
 }
 SCRIPT_NAMES = tuple(SCRIPT_KEYS)
@@ -178,13 +166,27 @@ def register(client) -> Scripts:
 
 @dataclass(frozen=True)
 class ScriptCall:
-    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply."""
+    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply.
+
+    Every argument is text, bytes or an ``int``, checked here, where every call
+    is built: redis-py would send a float as ``"-0.0"`` or ``"1e+16"`` and a
+    script would have to guess what was meant. Scripts take only canonical
+    integers too (``lua/include/arg_int.lua``).
+    """
 
     queue: str
     script: Script
     keys: list[str]
     args: list
     decode: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        for position, value in enumerate(self.args, start=1):
+            if not isinstance(value, str | bytes | int) or isinstance(value, bool):
+                raise ScriptRefused(
+                    f"queue {self.queue!r}: FENCED BADARG ARGV[{position}] must be an int or text, "
+                    f"not {value!r} ({type(value).__name__}); nothing sent"
+                )
 
 
 def command_of(call: ScriptCall) -> tuple:

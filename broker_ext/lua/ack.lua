@@ -14,7 +14,8 @@ KEYS[1] leases   zset
 KEYS[2] state    hash
 KEYS[3] bodies   hash
 KEYS[4] done     zset  acked id -> acked at ms
-KEYS[5] acks     hash  acked id -> "token|claim" of the delivery that acked it
+KEYS[5] acks     hash  acked id -> "token|claim|publish ids": the delivery that acked it, and the
+                       publishes of its id (lua/include/publish_ids.lua), which a resend still meets
 KEYS[6] ready    zset
 KEYS[7] delayed  zset
 KEYS[8] stats    hash
@@ -66,7 +67,7 @@ for i = 3, #ARGV, 3 do
     local by = redis.call('HGET', acks, id)
     if not by then
       replies[#replies + 1] = -1
-    elseif by == token .. '|' .. claim then
+    elseif string.match(by, '^[^|]*|[^|]*') == token .. '|' .. claim then
       replies[#replies + 1] = 2
     else
       replies[#replies + 1] = -2
@@ -81,7 +82,7 @@ for i = 3, #ARGV, 3 do
     redis.call('HDEL', bodies, id)
     if window > 0 then
       redis.call('ZADD', done, now_ms, id)
-      redis.call('HSET', acks, id, token .. '|' .. claim)
+      redis.call('HSET', acks, id, token .. '|' .. claim .. '|' .. s.publish_ids)
     end
     replies[#replies + 1] = 1
     acked = acked + 1

@@ -22,7 +22,7 @@ from broker_ext.adoption import Left, Mover, StockBroker
 from broker_ext.errors import Reply, ScriptRefused
 from broker_ext.keys import QueueKeys, adopting_key
 from broker_ext.queue import FencedQueue
-from broker_ext.records import AdoptedMessage, OutgoingMessage
+from broker_ext.records import AdoptedMessage, OutgoingMessage, StockSource
 from tests.broker_ext.test_scripts import snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -280,13 +280,20 @@ def test_without_queues_named_every_bound_queue_moves_and_unbound_lists_are_repo
 
 def test_the_adopt_scripts_refuse_bad_arguments_before_any_write(redis_client):
     queue = FencedQueue(redis_client, "celery")
-    message = AdoptedMessage("stock:1", OutgoingMessage("m", "{}", priority=0), source="x")
+    message = AdoptedMessage(OutgoingMessage("m", "{}", publish_id="stock:1"), source="x")
     redis_client.lpush("celery", "x")
+    source = StockSource("unacked", "unacked_index", "celery")
     before = snapshot(redis_client)
-    for bad in ("nan", "inf", "-1", "1.5"):
+    for bad in ("nan", "inf", "1.5", "-0", "-2"):
         with pytest.raises(ScriptRefused, match="BADARG"):
             queue.adopt([message], ledger_ttl_ms=bad)
         with pytest.raises(ScriptRefused, match="BADARG"):
-            queue.adopt([AdoptedMessage("stock:1", OutgoingMessage("m", "{}", priority=bad))], 1000)
+            queue.adopt_local(source, [message], max_age_ms=bad, ledger_ttl_ms=1000)
+        bad_priority = OutgoingMessage("m", "{}", priority=bad, publish_id="stock:1")
+        with pytest.raises(ScriptRefused, match="BADARG"):
+            queue.adopt([AdoptedMessage(bad_priority)], 1000)
+    for bad_id in ("stock id with spaces", "a,b", "x" * 129):
+        with pytest.raises(ScriptRefused, match="publish id"):
+            queue.adopt([AdoptedMessage(OutgoingMessage("m", "{}", publish_id=bad_id))], 1000)
     assert snapshot(redis_client) == before
     assert QueueKeys("celery").adopted in QueueKeys("celery").all_static()

@@ -1,13 +1,11 @@
--- adopt_message(k, m, now_ms): store a message moved over from stock Kombu, once per stock publish.
--- k names the queue's {bodies, state, ready, delayed, seq, done, signal, adopted}; m is {publish, id,
--- payload, priority, delay}, where publish is the stock message's publish id. The `adopted` ledger records
--- it first, so moving the same stock message again, however late (after its ack, past the done window),
--- stores nothing. Returns 1 stored, 3 DUPLICATE (the queue knows the message id), 6 ADOPTED (moved before).
---- @include "store_message"
+-- adopt_message(k, m, now_ms): publish a message moved over from stock Kombu, once per stock publish.
+-- k names the queue's keys as publish_one takes them, plus `adopted`; m is a message as publish_one takes
+-- it, its publish id the stock message's. The `adopted` ledger records that id first, so moving the same
+-- stock message again, however late (after its ack, past the done window), publishes nothing. Returns
+-- publish_one's reply and whether it made a message ready, or 6 (ADOPTED: moved before) and false.
+--- @include "publish_one"
 local function adopt_message(k, m, now_ms)
-  if redis.call('HEXISTS', k.adopted, m.publish) == 1 then return 6 end
-  redis.call('HSET', k.adopted, m.publish, now_ms)
-  if known_message(k.state, k.done, m.id) then return 3 end
-  store_message(k, m, now_ms)
-  return 1
+  if redis.call('HEXISTS', k.adopted, m.publish_id) == 1 then return 6, false end
+  redis.call('HSET', k.adopted, m.publish_id, now_ms)
+  return publish_one(k, m, now_ms)
 end
