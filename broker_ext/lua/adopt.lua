@@ -38,17 +38,12 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "arg_int"
 --- @include "arg_publish_id"
 --- @include "server_time"
---- @include "wake"
---- @include "keep_expiry"
 --- @include "adopt_message"
 local count = (#ARGV - 2) / 5
 if #KEYS ~= 11 or count < 1 or count ~= math.floor(count) then
   error({err = 'FENCED BADARG adopt needs 11 keys and 2 + 5n arguments'})
 end
-local ttl = arg_int(ARGV[1], 'queue ttl', 0, 1e12)
-local k = {bodies = KEYS[1], state = KEYS[2], ready = KEYS[3], delayed = KEYS[4], seq = KEYS[5],
-           done = KEYS[6], wake = KEYS[7], stats = KEYS[8], dedups = KEYS[9], acks = KEYS[10],
-           adopted = KEYS[11], ttl = ttl}
+local k = adopt_keys(1, arg_int(ARGV[1], 'queue ttl', 0, 1e12))
 local ledger_ttl = arg_int(ARGV[2], 'ledger ttl', 1, 1e12)
 local messages = {}
 for i = 1, count do
@@ -61,9 +56,7 @@ for i = 1, count do
     error({err = 'FENCED BADARG message ' .. i .. ': the id must be non-empty and hold no newline'})
   end
 end
-check_types({{k.bodies, 'hash'}, {k.state, 'hash'}, {k.ready, 'zset'}, {k.delayed, 'zset'},
-             {k.seq, 'string'}, {k.done, 'zset'}, {k.wake, 'zset'}, {k.stats, 'hash'},
-             {k.dedups, 'list'}, {k.acks, 'hash'}, {k.adopted, 'hash'}})
+check_types(adopt_key_types(k))
 
 local now_ms = server_time()
 local replies, stored, made_ready = {}, 0, false
@@ -72,11 +65,5 @@ for i, m in ipairs(messages) do
   replies[i], made_ready = reply, made_ready or readied
   if reply == 1 then stored = stored + 1 end
 end
-redis.call('PEXPIRE', k.adopted, ledger_ttl)
-if made_ready then wake(k.wake) end
-if stored > 0 then
-  redis.call('HINCRBY', k.stats, 'published', stored)
-  redis.call('HINCRBY', k.stats, 'adopted', stored)
-end
-keep_expiry(ttl, {k.bodies, k.state, k.ready, k.delayed, k.seq, k.done, k.wake, k.stats, k.dedups, k.acks})
+adopt_finish(k, stored, made_ready, ledger_ttl)
 return replies

@@ -44,8 +44,6 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "arg_int"
 --- @include "arg_publish_id"
 --- @include "server_time"
---- @include "wake"
---- @include "keep_expiry"
 --- @include "take_stock"
 --- @include "adopt_message"
 local count = (#ARGV - 4) / 6
@@ -55,10 +53,7 @@ end
 if ARGV[3] ~= 'list' and ARGV[3] ~= 'unacked' then
   error({err = "FENCED BADARG where must be 'list' or 'unacked'"})
 end
-local ttl = arg_int(ARGV[1], 'queue ttl', 0, 1e12)
-local k = {bodies = KEYS[1], state = KEYS[2], ready = KEYS[3], delayed = KEYS[4], seq = KEYS[5],
-           done = KEYS[6], wake = KEYS[7], stats = KEYS[8], dedups = KEYS[9], acks = KEYS[10],
-           adopted = KEYS[11], ttl = ttl}
+local k = adopt_keys(1, arg_int(ARGV[1], 'queue ttl', 0, 1e12))
 local s = {list = ARGV[3] == 'list' and KEYS[14] or nil, unacked = KEYS[12], index = KEYS[13]}
 local ledger_ttl = arg_int(ARGV[2], 'ledger ttl', 1, 1e12)
 local max_age = arg_int(ARGV[4], 'max age ms', -1, 1e13)
@@ -73,10 +68,9 @@ for i = 1, count do
     error({err = 'FENCED BADARG entry ' .. i .. ': the id must be non-empty and hold no newline'})
   end
 end
-local types = {{k.bodies, 'hash'}, {k.state, 'hash'}, {k.ready, 'zset'}, {k.delayed, 'zset'},
-               {k.seq, 'string'}, {k.done, 'zset'}, {k.wake, 'zset'}, {k.stats, 'hash'},
-               {k.dedups, 'list'}, {k.acks, 'hash'}, {k.adopted, 'hash'}, {s.unacked, 'hash'},
-               {s.index, 'zset'}}
+local types = adopt_key_types(k)
+types[#types + 1] = {s.unacked, 'hash'}
+types[#types + 1] = {s.index, 'zset'}
 if s.list then types[#types + 1] = {s.list, 'list'} end
 check_types(types)
 
@@ -93,11 +87,5 @@ for i, e in ipairs(entries) do
     if reply == 1 then stored = stored + 1 end
   end
 end
-redis.call('PEXPIRE', k.adopted, ledger_ttl)
-if made_ready then wake(k.wake) end
-if stored > 0 then
-  redis.call('HINCRBY', k.stats, 'published', stored)
-  redis.call('HINCRBY', k.stats, 'adopted', stored)
-end
-keep_expiry(ttl, {k.bodies, k.state, k.ready, k.delayed, k.seq, k.done, k.wake, k.stats, k.dedups, k.acks})
+adopt_finish(k, stored, made_ready, ledger_ttl)
 return replies
