@@ -297,3 +297,20 @@ def test_the_adopt_scripts_refuse_bad_arguments_before_any_write(redis_client):
             queue.adopt([AdoptedMessage(OutgoingMessage("m", "{}", publish_id=bad_id))], 1000)
     assert snapshot(redis_client) == before
     assert QueueKeys("celery").adopted in QueueKeys("celery").all_static()
+
+
+def test_a_move_into_a_redis_cluster_goes_through_the_journal(redis_server, urls, connections, cluster_url):
+    """The fenced side on a Cluster: each queue's keys in its own slot, the stock side a plain Redis."""
+    stock_url, _ = urls(True)
+    app = stock_app(stock_url)
+    publish(app, 3)
+    publish(app, 2, queue="reports", countdown=600)
+
+    report = mover(stock_url, cluster_url, connections, fenced_options={"cluster": True}).run()
+
+    assert report.same_server is False
+    assert (report.queues["celery"].moved, report.queues["reports"].delayed) == (3, 2)
+    assert stock_keys(redis_server.client(db=int(stock_url.rsplit("/", 1)[1]))) == []
+    fenced = connections[-1].default_channel
+    assert fenced.fenced_queue("celery").stats().ready == 3
+    assert fenced.fenced_queue("reports").stats().delayed == 2
