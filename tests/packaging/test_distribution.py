@@ -46,13 +46,14 @@ def pins(path: Path) -> dict[str, str]:
     return found
 
 
-def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_and_migrations(wheel):
+def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_sql_and_migrations(wheel):
     files = wheel_files(wheel)
     data = [
         *(ROOT / "broker_ext" / "lua").rglob("*.lua"),
         *(ROOT / "queueapp" / "templates").rglob("*.html"),
         *(path for path in (ROOT / "queueapp" / "static").rglob("*") if path.is_file()),
         *(ROOT / "queueapp" / "migrations").glob("*.py"),
+        *(ROOT / "queueapp" / "records" / "sql").rglob("*.sql"),
     ]
     missing = sorted(str(path.relative_to(ROOT)) for path in data if str(path.relative_to(ROOT)) not in files)
     assert missing == []

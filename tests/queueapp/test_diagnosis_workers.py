@@ -38,7 +38,10 @@ def test_a_killed_workers_redelivery_names_the_worker_and_when_it_stopped_extend
     doomed = start_worker(name="doomed", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
     result = demo_tasks.effect.delay("killed", sleep=4)
     message_id = f"{result.id}.0"
-    assert wait_for(lambda: extended(queue, message_id), timeout=30), doomed.output()[-3000:]
+    # Killed once its keeper extended the lease and its claim is in the database (on a loaded machine
+    # the claim's commit can wait for SQLite's lock past the first extend).
+    running = lambda: TaskOutcome.objects.filter(idempotency_key=result.id, status="running").exists()  # noqa: E731
+    assert wait_for(lambda: extended(queue, message_id) and running(), timeout=30), doomed.output()[-3000:]
     doomed.process.kill()
     doomed.process.wait(10)
     survivor = start_worker(name="survivor", lease_timeout=2, QUEUEAPP_RECORD_RUNNING="1")
