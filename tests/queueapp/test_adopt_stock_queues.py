@@ -13,6 +13,7 @@ with nothing left in the stock keys, the journal or the fenced queue.
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import sys
@@ -146,3 +147,23 @@ def test_a_killed_stock_deployment_moved_by_a_command_killed_at_random_points_ru
     deliveries = TaskDelivery.objects.filter(outcome__task_name=EFFECT)
     assert set(deliveries.values_list("outcome_id", flat=True)) == set(outcomes.values_list("id", flat=True))
     assert fenced.zcard(celery.delayed) == 0 and fenced.zcard(celery.dead) == 0
+
+
+@pytest.mark.django_db
+def test_the_command_says_what_it_would_move_and_refuses_what_is_not_a_stock_broker(databases):
+    from django.core.management import CommandError, call_command
+
+    from lab.redis_servers import free_port
+
+    stock_url, _, _, _ = databases
+    publish_before_the_cutover(stock_url, count=3)
+    out = io.StringIO()
+    call_command("adopt_stock_queues", "--from", stock_url, "--dry-run", "--json", stdout=out)
+    report = json.loads(out.getvalue())
+    assert report["dry_run"] and [(q["queue"], q["moved"]) for q in report["queues"]] == [("celery", 3)]
+    with pytest.raises(CommandError, match="stock broker's redis://"):
+        call_command("adopt_stock_queues", "--from", stock_url.replace("redis", "fenced"))
+    with pytest.raises(CommandError, match="not options of the stock"):
+        call_command("adopt_stock_queues", "--from", stock_url, "--transport-options", '{"lease_timeout": 5}')
+    with pytest.raises(CommandError, match="run it again: nothing moves twice"):
+        call_command("adopt_stock_queues", "--from", f"redis://127.0.0.1:{free_port()}/0")

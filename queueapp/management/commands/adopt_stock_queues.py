@@ -89,6 +89,7 @@ class Command(BaseCommand):
         )
         try:
             with bounded_channel(app) as fenced:
+                stock_connection.ensure_connection(max_retries=0, timeout=timeout)  # once, bounded
                 report = self._move(app, stock_connection, fenced, options)
         except BrokerUnavailable as exc:
             raise broker_error(exc, "stopped (run it again: nothing moves twice): ") from exc
