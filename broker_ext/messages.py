@@ -161,10 +161,10 @@ def stamp(payload: dict, delivery: Delivery) -> None:
     properties["delivery_tag"] = f"{delivery.message_id}#{delivery.token}.{delivery.claim}"
     properties[FENCE_TOKEN] = delivery.token
     properties[FENCE_CLAIM] = delivery.claim
-    properties[DELIVERY_COUNT] = delivery.deliveries
+    properties[DELIVERY_COUNT] = delivery.delivery_count
     properties[FENCED_QUEUE] = delivery.queue
     properties[FENCED_MESSAGE_ID] = delivery.message_id
-    redelivered = delivery.deliveries > 1
+    redelivered = delivery.delivery_count > 1
     properties.setdefault("delivery_info", {})["redelivered"] = redelivered
     if redelivered:
         if payload.get("headers") is None:
@@ -184,6 +184,6 @@ def delivery_of(properties: dict) -> Delivery | None:
         queue=properties[FENCED_QUEUE],
         message_id=properties[FENCED_MESSAGE_ID],
         token=int(properties[FENCE_TOKEN]),
-        deliveries=int(properties.get(DELIVERY_COUNT, 1)),
+        delivery_count=int(properties.get(DELIVERY_COUNT, 1)),
         claim=str(properties.get(FENCE_CLAIM, "")),
     )

@@ -400,7 +400,7 @@ class FencedQueue:
                 message_id,
                 place,
                 state.token,
-                state.deliveries,
+                state.delivery_count,
                 score,
                 now_ms,
                 reason,
@@ -437,6 +437,13 @@ class FencedQueue:
 
     def _ids_scored_upto(self, key: str, upto_ms: int, limit: int) -> list[str]:
         return [_text(i) for i in self.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit)]
+
+    def dead_reasons(self, limit: int = 100) -> list[str]:
+        """The reasons of the newest ``limit`` dead letters (no bodies read), newest first."""
+        ids = [_text(i) for i in self.client.zrevrange(self.keys.dead, 0, limit - 1)]
+        if not ids:
+            return []
+        return [_reason_of(reason) or "unknown" for reason in self.client.hmget(self.keys.reasons, ids)]
 
     def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         k = self.keys
@@ -493,7 +500,7 @@ class FencedQueue:
                     queue=self.name,
                     message_id=str(entry["id"]),
                     token=int(entry.get("token") or 0),
-                    deliveries=int(entry.get("deliveries") or 0),
+                    delivery_count=int(entry.get("deliveries") or 0),
                     deadline_ms=int(entry.get("deadline_ms") or 0),
                     last_extended_ms=int(entry.get("last_extended_ms") or 0),
                     at_ms=int(entry.get("at_ms") or 0),
@@ -516,7 +523,7 @@ class FencedQueue:
                     queue=self.name,
                     message_id=str(entry["id"]),
                     token=int(entry.get("token") or 0),
-                    deliveries=int(entry.get("deliveries") or 0),
+                    delivery_count=int(entry.get("deliveries") or 0),
                     counted=bool(entry.get("counted")),
                     delay_ms=int(entry.get("delay_ms") or 0),
                     token_floor=int(entry.get("floor") or 0),

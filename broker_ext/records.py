@@ -24,7 +24,7 @@ class Delivery:
     queue: str
     message_id: str
     token: int
-    deliveries: int = 1
+    delivery_count: int = 1
     claim: str = ""
 
 
@@ -131,7 +131,7 @@ class DeadLetter:
     message_id: str
     reason: str
     dead_at_ms: int
-    deliveries: int
+    delivery_count: int
     payload: bytes | None
 
 
@@ -157,7 +157,7 @@ class ReclaimEntry:
     queue: str
     message_id: str
     token: int
-    deliveries: int
+    delivery_count: int
     deadline_ms: int
     last_extended_ms: int
     at_ms: int
@@ -179,7 +179,7 @@ class RequeueEntry:
     queue: str
     message_id: str
     token: int
-    deliveries: int
+    delivery_count: int
     counted: bool
     delay_ms: int
     token_floor: int
@@ -237,7 +237,7 @@ class MessageState:
     message_id: str
     place: Place
     token: int = 0
-    deliveries: int = 0
+    delivery_count: int = 0
     score_ms: int | None = None  # lease deadline, due time or dead-lettered time (server ms)
     server_now_ms: int = 0
     reason: str = ""
@@ -250,7 +250,7 @@ class MessageState:
         """The current delivery of a leased message (what an operator's compare-and-set presents)."""
         if self.place is not Place.LEASED:
             return None
-        return Delivery(self.queue, self.message_id, self.token, self.deliveries, self.claim)
+        return Delivery(self.queue, self.message_id, self.token, self.delivery_count, self.claim)
 
     @property
     def in_broker(self) -> bool:
@@ -273,8 +273,12 @@ class MessageState:
         seconds = self.seconds_from_now
         if self.place is Place.LEASED:
             if self.lease_alive:
-                return f"leased (delivery {self.deliveries}), kept alive by its worker: {seconds:.0f}s left"
-            return f"leased (delivery {self.deliveries}), lease expired {-seconds:.0f}s ago, not reclaimed"
+                return (
+                    f"leased (delivery {self.delivery_count}), kept alive by its worker: {seconds:.0f}s left"
+                )
+            return (
+                f"leased (delivery {self.delivery_count}), lease expired {-seconds:.0f}s ago, not reclaimed"
+            )
         if self.place is Place.DELAYED:
             if seconds is not None and seconds > 0:
                 return f"delayed, due in {seconds:.0f}s"
@@ -282,7 +286,7 @@ class MessageState:
         if self.place is Place.DEAD:
             return f"dead-lettered {-(seconds or 0):.0f}s ago: {self.reason or 'no reason recorded'}"
         if self.place is Place.READY:
-            return f"ready (delivered {self.deliveries} times so far)"
+            return f"ready (delivered {self.delivery_count} times so far)"
         return "not in the broker (acked, purged, or never published)"
 
 
@@ -291,7 +295,7 @@ class StoredState:
     """A message's record in the queue's ``state`` hash (its fields: ``lua/include/state.lua``)."""
 
     token: int
-    deliveries: int
+    delivery_count: int
     charged: int
     interrupted: int
     priority: int

@@ -47,7 +47,7 @@ class DeliveryInfo:
 
     @property
     def delivery_count(self) -> int | None:
-        return self.broker.deliveries if self.broker is not None else None
+        return self.broker.delivery_count if self.broker is not None else None
 
     @classmethod
     def of(cls, broker: Delivery, *, task_name: str, retries: int = 0, worker: str = "") -> DeliveryInfo:
@@ -96,7 +96,7 @@ class DeliveryInfo:
 
 
 @dataclass(frozen=True)
-class ExactlyOnceContext:
+class CurrentDelivery:
     """What a running exactly-once body may pass on to external systems.
 
     ``key`` is the idempotency key (send it as the payment API's idempotency
@@ -113,17 +113,17 @@ class ExactlyOnceContext:
     delivery: DeliveryInfo
 
 
-_current: contextvars.ContextVar[ExactlyOnceContext | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[CurrentDelivery | None] = contextvars.ContextVar(
     "queueapp_exactly_once", default=None
 )
 
 
-def current_delivery() -> ExactlyOnceContext | None:
+def current_delivery() -> CurrentDelivery | None:
     """The context of the exactly-once body running in this thread, or ``None`` outside one."""
     return _current.get()
 
 
-def activate(context: ExactlyOnceContext) -> contextvars.Token:
+def activate(context: CurrentDelivery) -> contextvars.Token:
     return _current.set(context)
 
 

@@ -38,7 +38,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 
 from queueapp import broker, cache, conf
-from queueapp.delivery import DeliveryInfo, ExactlyOnceContext, activate, deactivate
+from queueapp.delivery import CurrentDelivery, DeliveryInfo, activate, deactivate
 from queueapp.errors import DeliveryRefused, IdempotencyKeyError, MalformedDelivery
 from queueapp.records import KeyClaim, Outranked, Records, Status, Suppressed, Verdict, jsonable
 
@@ -122,7 +122,7 @@ def _guarded(task, key: Any, work: Callable[[], Any]) -> Any:
         raise Reject(detail, requeue=True) from exc
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Delivery:
     """One delivery going through the skeleton: what each step needs."""
 
@@ -167,7 +167,9 @@ def _deliver(step: _Delivery, *, claim_first: bool) -> Any:
     that does not let it through sends the delivery to a claim made first).
     """
     records, delivery = step.records, step.delivery
+    in_check_transaction = records.checks_in_the_body_s_transaction(claim_first)
     failure: Exception | None = None
+    running = False
     try:
         with records.check_transaction(claim_first):
             if claim_first:
@@ -177,20 +179,25 @@ def _deliver(step: _Delivery, *, claim_first: bool) -> Any:
             else:
                 decision = records.check(step.key, delivery, args=step.args, kwargs=step.kwargs)
             if isinstance(decision, KeyClaim):
-                try:
-                    with _running(decision, delivery):
-                        return commit(
-                            decision,
-                            step.body,
-                            records=records,
-                            cache_success=step.cache_success,
-                            just_claimed=True,
-                            transaction_open=not claim_first,
-                        )
-                except Exception as exc:  # Rolled back; decided below, outside the check's transaction.
-                    failure = exc
-    except DatabaseError as exc:
-        return _database_unavailable(step, exc)
+                running = True
+                with _running(decision, delivery):
+                    result = commit(
+                        decision,
+                        step.body,
+                        records=records,
+                        cache_success=step.cache_success,
+                        just_claimed=True,
+                        transaction_open=in_check_transaction,
+                    )
+                running = False
+                return result  # Leaving the check's transaction commits it.
+    except Exception as exc:  # Rolled back; a failure is decided outside the check's transaction.
+        if running:
+            failure = exc
+        elif isinstance(exc, DatabaseError):
+            return _database_unavailable(step, exc)
+        else:
+            raise
     if failure is not None:
         return _failed(step, decision, failure)
     if decision is None:
@@ -217,11 +224,11 @@ def commit(
     if the row no longer allows it, :class:`DeliveryRefused` rolls the body's
     writes back. A claim that may have aged (``just_claimed`` false) is read
     first: a delivery that can no longer commit does not run its body.
-    ``transaction_open``: the check's transaction (SQLite's, holding the write
-    lock) is the body's, so no savepoint is made.
+    ``transaction_open``: the caller's transaction is the body's (SQLite's
+    check holds the write lock in it).
     """
     records = records or Records()
-    with transaction.atomic(using=records.using, savepoint=not transaction_open):
+    with contextlib.nullcontext() if transaction_open else transaction.atomic(using=records.using):
         if not just_claimed:
             refused = records.refusal(claim)
             if refused is not None:
@@ -325,9 +332,9 @@ def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
 
 @contextlib.contextmanager
 def _running(claim: KeyClaim, delivery: DeliveryInfo) -> Iterator[None]:
-    """The :class:`ExactlyOnceContext` of a claimed delivery, for its body to read."""
+    """The :class:`CurrentDelivery` of a claimed delivery, for its body to read."""
     reset = activate(
-        ExactlyOnceContext(
+        CurrentDelivery(
             key=claim.key,
             token=claim.token,
             token_source=claim.token_source,

@@ -6,8 +6,8 @@ millions of rows within weeks. What ops want from them on a page or a scrape
 is small (a page of rows, the queues and task names there are, a count), but
 Django's plain queries for it read every row: ``SELECT DISTINCT`` for a
 filter's choices, ``COUNT(*)`` for the paginator, the distinct years and
-months of a date hierarchy. With 3 million rows the changelist took 2 s,
-most of it in those (docs/operations.md). On PostgreSQL, here:
+months of a date hierarchy: on a large table, most of a changelist's time
+(docs/operations.md has the figures). On PostgreSQL, here:
 
 - :func:`distinct_values` walks an index from one value to the next (a
   recursive "loose index scan"): one index probe per distinct value, not
@@ -123,8 +123,8 @@ class ProbedDatesMixin:
     """``datetimes()`` (the admin's date hierarchy) by probing each period, on PostgreSQL with ``USE_TZ``.
 
     Django answers ``datetimes(field, "year")`` with ``SELECT DISTINCT
-    DATE_TRUNC('year', field)`` over every row the changelist sees (1.0-1.4 s
-    of the changelist's 2 s with 3 million rows). Here: the first and last
+    DATE_TRUNC('year', field)`` over every row the changelist sees (most of
+    the changelist's time on a large table). Here: the first and last
     value (two index reads), then one ``EXISTS`` per year, month or day
     between them, in the current time zone, as Django's would be. Returns a
     list of aware datetimes (Django: a queryset of them), which is all the

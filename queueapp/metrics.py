@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -110,6 +111,13 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     *((f"{name}_total", "counter", "queue", text) for _, name, text in QUEUE_COUNTERS),
     ("queueapp_consumers", "gauge", "", "Consumers whose lease keeper reported in the last 2 minutes."),
     (
+        "queueapp_dead_letters",
+        "gauge",
+        "queue, reason",
+        "Dead letters by what was wrong (their reason up to its first colon), among the newest 100 of "
+        "each queue.",
+    ),
+    (
         "queueapp_outcomes",
         "gauge",
         "status",
@@ -176,12 +184,23 @@ def outcome_counts(using: str) -> dict[str, int]:
     return counts
 
 
+#: Dead letters read per queue at each scrape to count what was wrong with them (the newest).
+DEAD_LETTER_SAMPLE = 100
+
+
+def reason_kind(reason: str) -> str:
+    """What was wrong, without which message: a dead-letter reason up to its first colon."""
+    return reason.split(":", 1)[0].strip()[:80] or "unknown"
+
+
 @dataclass
 class BrokerSnapshot:
     """Every queue's snapshot and the live consumers, read through one bounded operator connection."""
 
     stats: list[QueueStats]
     consumers: int
+    #: (queue, reason kind) -> dead letters among each queue's newest :data:`DEAD_LETTER_SAMPLE`.
+    dead_reasons: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def broker_snapshot(app) -> BrokerSnapshot:
@@ -189,7 +208,12 @@ def broker_snapshot(app) -> BrokerSnapshot:
     with bounded_channel(app) as channel:
         stats = [channel.fenced_queue(name).stats() for name in queue_names(app, channel)]
         consumers = read_consumers(channel.fenced_client, prefix=channel.global_keyprefix)
-    return BrokerSnapshot(stats, len(consumers))
+        reasons: Counter[tuple[str, str]] = Counter()
+        for queue in stats:
+            if queue.dead:
+                for reason in channel.fenced_queue(queue.queue).dead_reasons(DEAD_LETTER_SAMPLE):
+                    reasons[(queue.queue, reason_kind(reason))] += 1
+    return BrokerSnapshot(stats, len(consumers), dict(reasons))
 
 
 class QueueappCollector(Collector):
@@ -233,6 +257,12 @@ class QueueappCollector(Collector):
                 counter.add_metric([stats.queue], stats.counters.get(counter_name, 0))
             yield counter
         yield GaugeMetricFamily("queueapp_consumers", _help("queueapp_consumers"), value=broker.consumers)
+        dead = GaugeMetricFamily(
+            "queueapp_dead_letters", _help("queueapp_dead_letters"), labels=["queue", "reason"]
+        )
+        for (queue, kind), count in sorted(broker.dead_reasons.items()):
+            dead.add_metric([queue, kind], count)
+        yield dead
 
     def _database_metrics(self, database: DatabaseCounts) -> Iterator[Metric]:
         outcomes = GaugeMetricFamily("queueapp_outcomes", _help("queueapp_outcomes"), labels=["status"])

@@ -25,8 +25,8 @@ class NonNegativeIntegerField(models.IntegerField):
     The counters and retry numbers of the two rows every delivery writes.
     ``PositiveIntegerField`` adds ``CHECK (x >= 0)``, and PostgreSQL reads
     each check of a table back from its stored form at every statement that
-    writes a row of it: the eight checks of these two tables cost about 45 µs
-    of server CPU per exactly-once task (perf, docs/benchmarks.md). Only
+    writes a row of it: the server's CPU per task that costs is in
+    docs/benchmarks.md ("A third look"). Only
     queueapp's own statements write these columns, and only with values that
     cannot be negative (counts, Celery's retry number, the broker's delivery count).
     """
@@ -158,7 +158,7 @@ class TaskOutcome(models.Model):
         verbose_name = _("task outcome")
         verbose_name_plural = _("task outcomes")
         ordering = ("-queued_at",)
-        # Every delivery writes the row twice (claim, verdict; SQLite's held path once): its indexes
+        # A delivery writes the row once or twice (its claim, with or before its verdict): its indexes
         # are kept to what the admin, the stuck view and the commands read. Status filters use
         # the lease index, which starts with the status (migration 0007).
         indexes = [
@@ -206,7 +206,7 @@ class TaskDelivery(models.Model):
         db_index=False,  # queueapp_delivery_outcome_idx starts with it: one index less per delivery written.
         # No foreign key constraint in the database: PostgreSQL checks one at the commit of every
         # claim that inserts a log row, by a query that locks the outcome row (a heap write and a
-        # WAL record): about 85 µs of server CPU per task. The rows are written by queueapp's own
+        # WAL record; docs/benchmarks.md, "A third look"). The rows are written by queueapp's own
         # statements, with the outcome's id they just read, and deleted with their outcome by
         # Django's CASCADE, which Django runs itself with or without the constraint.
         db_constraint=False,

@@ -121,7 +121,7 @@ def _record_queued(row: OutboxMessage, options: dict) -> None:
     row.idempotency_key = key
     row.save(update_fields=["idempotency_key"])
     eta = parse_datetime(options["eta"]) if options.get("eta") else None
-    queued.record_now(
+    queued.record(
         key,
         row.task_name,
         args=row.args,
@@ -129,6 +129,7 @@ def _record_queued(row: OutboxMessage, options: dict) -> None:
         queue=options.get("queue", ""),
         task_id=row.task_id,
         eta=eta,
+        at_once=True,
     )
 
 

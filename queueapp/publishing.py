@@ -49,9 +49,8 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
         headers[DEDUP_WINDOW_HEADER] = policy.dedup_window
     if conf.get("RECORD_QUEUED") and not recorded:
         eta = headers.get("eta")
-        record = queued.record if conf.get("QUEUED_WRITE_DELAY") else queued.record_now
         try:
-            record(
+            queued.record(
                 key,
                 sender,
                 args=list(args),
@@ -59,6 +58,7 @@ def on_before_task_publish(sender=None, body=None, headers=None, routing_key=Non
                 queue=str(routing_key or ""),
                 task_id=str(headers.get("id") or ""),
                 eta=parse_datetime(eta) if isinstance(eta, str) else None,
+                at_once=not conf.get("QUEUED_WRITE_DELAY"),
             )
         except DatabaseError as exc:  # The worker creates the row anyway: never fail a publish here.
             logger.warning("could not record %s [%s] as queued: %r", sender, key, exc)

@@ -6,7 +6,7 @@ one multi-row ``INSERT ... ON CONFLICT DO NOTHING``
 (:meth:`queueapp.records.Records.insert_queued`) when ``QUEUED_BATCH_SIZE``
 records wait or the oldest has waited ``QUEUED_WRITE_DELAY`` seconds: one
 statement per batch, not per publish (docs/benchmarks.md). With a delay of
-``0``, :func:`record_now` writes it in the publish itself.
+``0``, the publish writes it itself (:func:`record`'s ``at_once``).
 
 Why this is safe: the queued record is for ops to see what is queued. The
 worker's claim creates the row if it is missing, and a late queued insert
@@ -269,33 +269,25 @@ def record(
     queue: str = "",
     task_id: str = "",
     eta: datetime | None = None,
+    at_once: bool = False,
 ) -> None:
-    """Buffer the *queued* record of a publish; written within ``QUEUED_WRITE_DELAY`` seconds.
+    """Buffer the *queued* record of a publish, written within ``QUEUED_WRITE_DELAY`` seconds.
 
-    The arguments are turned into JSON here, on the publishing thread: the
-    caller may change the objects it passed once ``.delay()`` returns, and the
-    record must say what was published.
+    ``at_once`` writes it now instead, in the caller's transaction if one is
+    open (its ``DatabaseError`` is the caller's). The arguments are turned
+    into JSON here, on the publishing thread: the caller may change the
+    objects it passed once ``.delay()`` returns, and the record must say what
+    was published.
     """
     try:
-        fields = _published(key, task_name, args, kwargs, queue, task_id, eta)
+        published = _published(key, task_name, args, kwargs, queue, task_id, eta)
     except (TypeError, ValueError) as exc:  # The publish itself fails on them with Celery's JSON.
         logger.warning("%s [%s] not recorded as queued: its arguments are not JSON (%r)", task_name, key, exc)
         return
-    _current().append(fields)
-
-
-def record_now(
-    key: str,
-    task_name: str,
-    *,
-    args: list,
-    kwargs: dict,
-    queue: str = "",
-    task_id: str = "",
-    eta: datetime | None = None,
-) -> None:
-    """Write the *queued* record of a publish at once, in the caller's transaction if one is open."""
-    Records().insert_queued([_published(key, task_name, args, kwargs, queue, task_id, eta)])
+    if at_once:
+        Records().insert_queued([published])
+    else:
+        _current().append(published)
 
 
 def _published(key, task_name, args, kwargs, queue, task_id, eta) -> QueuedRecord:

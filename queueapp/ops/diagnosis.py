@@ -129,7 +129,7 @@ class Diagnosis:
         live = self.records.live
         if live is None or live.place is not Place.LEASED or delivery.finished_at is not None:
             return None
-        if live.message_id != delivery.message_id or live.deliveries != (delivery.delivery_count or 0):
+        if live.message_id != delivery.message_id or live.delivery_count != (delivery.delivery_count or 0):
             return None
         return _ms(live.score_ms) if live.score_ms else None
 
@@ -232,7 +232,7 @@ def _stale_why(delivery: TaskDelivery, log: Sequence[TaskDelivery]) -> str:
 def _reclaim_of(previous: TaskDelivery, reclaims: Sequence[ReclaimEntry]) -> ReclaimEntry | None:
     """The broker's record of ``previous``'s lease expiring (by message and delivery count, else token)."""
     same = [e for e in reclaims if e.message_id == previous.message_id]
-    by_count = [e for e in same if previous.delivery_count and e.deliveries == previous.delivery_count]
+    by_count = [e for e in same if previous.delivery_count and e.delivery_count == previous.delivery_count]
     by_token = [e for e in same if e.token and e.token == previous.fence_token]
     found = by_count or by_token
     return min(found, key=lambda e: e.at_ms) if found else None
@@ -240,7 +240,7 @@ def _reclaim_of(previous: TaskDelivery, reclaims: Sequence[ReclaimEntry]) -> Rec
 
 def _requeue_of(message_id: str, count: int | None, requeues: Sequence[RequeueEntry]) -> RequeueEntry | None:
     """The broker's record of the delivery ``count`` of ``message_id`` being given back by its worker."""
-    found = [e for e in requeues if e.message_id == message_id and count and e.deliveries == count]
+    found = [e for e in requeues if e.message_id == message_id and count and e.delivery_count == count]
     return min(found, key=lambda e: e.at_ms) if found else None
 
 
@@ -252,7 +252,7 @@ def _earlier(
     said, causes = [], set()
     for count in counts:
         requeue = _requeue_of(message_id, count, broker.requeues)
-        lapsed = [e for e in broker.reclaims if e.message_id == message_id and e.deliveries == count]
+        lapsed = [e for e in broker.reclaims if e.message_id == message_id and e.delivery_count == count]
         later = [i for i, d in enumerate(log, 1) if d.message_id == message_id and d.delivery_count == count]
         if later:
             expired = f": its lease expired at {_clock(_ms(lapsed[0].deadline_ms))}" if lapsed else ""
@@ -327,7 +327,9 @@ def _same_message_why(
         return Cause.DEFERRED, f"delivery {n} is delivery {j} given back to the broker by its worker{why}"
     broker_tokens = delivery.token_source == TaskDelivery.TokenSource.BROKER
     if count and before and count < before:
-        lapsed = [e for e in broker.reclaims if e.message_id == delivery.message_id and e.deliveries == count]
+        lapsed = [
+            e for e in broker.reclaims if e.message_id == delivery.message_id and e.delivery_count == count
+        ]
         expired = f", which expired at {_clock(_ms(lapsed[0].deadline_ms))}" if lapsed else ""
         return Cause.LATE, (
             f"delivery {n} is the broker's delivery {count} of its message, handed out before delivery {j} "

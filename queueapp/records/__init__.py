@@ -168,11 +168,15 @@ class Records:
         """
         return delivery.fenced and self._own() and self.dialect.holds_claims(delivery)
 
+    def checks_in_the_body_s_transaction(self, claim_first: bool) -> bool:
+        """Whether :meth:`check` runs in the body's transaction, under the write lock its ``BEGIN`` took."""
+        return not claim_first and self.dialect.checks_under_write_lock
+
     def check_transaction(self, claim_first: bool) -> contextlib.AbstractContextManager:
-        """The transaction :meth:`check` runs in: the body's, where it holds the write lock (SQLite)."""
-        if claim_first or not self.dialect.checks_under_write_lock:
-            return contextlib.nullcontext()
-        return transaction.atomic(using=self.using)
+        """The transaction :meth:`check` runs in: the body's, holding the write lock (SQLite); else none."""
+        if self.checks_in_the_body_s_transaction(claim_first):
+            return transaction.atomic(using=self.using)
+        return contextlib.nullcontext()
 
     def check(self, key: str, delivery: DeliveryInfo, *, args: list, kwargs: dict) -> KeyClaim | None:
         """Whether the claim rule lets ``delivery`` claim ``key``, writing nothing; ``None``: claim first.
@@ -403,8 +407,8 @@ class Records:
     def _run(self, name: str, values: dict, *, health_check: bool = False) -> dict | None:
         """Run an operation's statements in order (:mod:`queueapp.records.statements`); what they returned.
 
-        ``None`` when a statement with ``RETURNING`` returned no row (nothing
-        after it ran); else the columns returned (``{}`` when none were asked).
+        ``None`` when a statement returned no row or changed none (nothing after
+        it ran); else the columns returned (``{}`` when none were asked).
         ``health_check``: the first statement of a task, run as the connection's
         health check where the database has one.
         """
@@ -415,18 +419,29 @@ class Records:
             return _execute(cursor, op, values)
 
 
+#: The columns each statement returns (``None``: it returns none), read from its first execution.
+_COLUMNS: dict[str, tuple[str, ...] | None] = {}
+
+
 def _execute(cursor, op: Operation, values: dict) -> dict | None:
     returned: dict = {}
-    for sql in op.statements:
+    for index, sql in enumerate(op.statements):
         cursor.execute(sql, values)
-        if cursor.description is None:
+        if sql not in _COLUMNS:
+            description = cursor.description
+            _COLUMNS[sql] = None if description is None else tuple(column[0] for column in description)
+        columns = _COLUMNS[sql]
+        if columns is None:
+            if cursor.rowcount == 0:
+                return None
             continue
-        rows = cursor.fetchall()
-        if not rows:
+        row = cursor.fetchone()
+        if row is None:
             return None
-        row = dict(zip([column[0] for column in cursor.description], rows[0], strict=True))
-        values = {**values, **row}
-        returned.update(row)
+        found = dict(zip(columns, row, strict=True))
+        returned.update(found)
+        if index + 1 < len(op.statements):
+            values = {**values, **found}
     return returned
 
 

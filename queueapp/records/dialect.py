@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -150,23 +149,42 @@ class SQLite(Dialect):
 
     def json_text(self, value: Any) -> str:
         """``value`` as the JSON text a JSON column stores (``TypeError`` or ``ValueError`` if it cannot)."""
-        return json.dumps(value, cls=DjangoJSONEncoder)
+        return _JSON.encode(value)
 
     def json_param(self, text: str | None):
         return text
 
 
 class _NamedCursor:
-    """A sqlite3 cursor that takes ``%(name)s`` placeholders, converted once per statement text."""
+    """A sqlite3 cursor that takes ``%(name)s`` placeholders, turned into ``?`` once per statement text.
+
+    sqlite3 binds a named parameter by making a string of its name and looking
+    it up, at every execution; positional values cost less, so the values are
+    put in placeholder order here instead.
+    """
 
     def __init__(self, cursor) -> None:
         self._cursor = cursor
 
     def execute(self, sql: str, params=None):
-        return self._cursor.execute(_named(sql), () if params is None else params)
+        if isinstance(params, dict):
+            text, names = _positional(sql)
+            return self._cursor.execute(text, [params[name] for name in names])
+        return self._cursor.execute(sql, () if params is None else params)
 
     def executemany(self, sql: str, param_list):
-        return self._cursor.executemany(_named(sql), param_list)
+        return self._cursor.executemany(sql, param_list)
+
+    def fetchone(self):
+        return self._cursor.fetchone()
+
+    @property
+    def rowcount(self) -> int:
+        return self._cursor.rowcount
+
+    @property
+    def description(self):
+        return self._cursor.description
 
     def __iter__(self):
         return iter(self._cursor)
@@ -179,8 +197,9 @@ _PYFORMAT = re.compile(r"%\((\w+)\)s")
 
 
 @functools.lru_cache(maxsize=64)
-def _named(sql: str) -> str:
-    return _PYFORMAT.sub(r":\1", sql).replace("%%", "%")
+def _positional(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` with ``?`` for each ``%(name)s``, and the names in placeholder order."""
+    return _PYFORMAT.sub("?", sql).replace("%%", "%"), tuple(_PYFORMAT.findall(sql))
 
 
 class PostgreSQL(Dialect):
@@ -305,7 +324,7 @@ class PostgreSQL(Dialect):
 
     def json_text(self, value: Any) -> str:
         """``value`` as JSON text; NaN and infinities refused now, as ``jsonb`` would refuse them later."""
-        return json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
+        return _STRICT_JSON.encode(value)
 
     def json_param(self, text: str | None):
         """A ``jsonb`` parameter of JSON text already made (psycopg would serialize it again)."""
@@ -322,6 +341,10 @@ def _transaction_open(raw) -> bool:
 
 
 _DIALECTS: dict[str, type[Dialect]] = {"postgresql": PostgreSQL, "sqlite": SQLite}
+
+#: The JSON columns' encoder (Django's, as ``json.dumps(..., cls=DjangoJSONEncoder)`` makes one per call).
+_JSON = DjangoJSONEncoder()
+_STRICT_JSON = DjangoJSONEncoder(allow_nan=False)
 
 #: SQLSTATEs of a server that does not keep prepared statements between transactions (a pooler
 #: in transaction mode without prepared-statement support): preparing is then turned off.

@@ -10,8 +10,8 @@ stripped from the text sent, so Django's query log and the bench read the
 statements themselves.
 
 An operation may be several statements, each but the last ending its line
-with ``;``. They run in order, in the caller's transaction; a statement with
-``RETURNING`` that returns no row ends the operation (the ones after it do
+with ``;``. They run in order, in the caller's transaction; a statement that
+returns no row, or changes none, ends the operation (the ones after it do
 not run), and the columns it returns are parameters of the ones after it.
 """
 

@@ -44,7 +44,7 @@ def test_locate_says_where_each_message_is(queue):
         "held": Place.READY,
         "nope": Place.ABSENT,
     }
-    assert found["ready"].lease_alive and found["ready"].deliveries == 1
+    assert found["ready"].lease_alive and found["ready"].delivery_count == 1
 
 
 def test_locate_by_a_task_s_message_id_finds_a_later_publish_stored_beside_it(queue):
@@ -90,7 +90,7 @@ def test_the_reclaim_log_says_whose_lease_expired_and_when_it_was_last_extended(
     queue.options = QueueOptions(lease_ms=200, max_deliveries=5)
     assert queue.reclaim_all() == (1, 0)
     (entry,) = queue.reclaim_log(10)
-    assert (entry.message_id, entry.token, entry.deliveries) == ("slow", claimed.delivery.token, 1)
+    assert (entry.message_id, entry.token, entry.delivery_count) == ("slow", claimed.delivery.token, 1)
     assert entry.last_extended_ms == entry.deadline_ms - 200 <= entry.at_ms
 
 

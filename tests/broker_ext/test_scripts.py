@@ -140,7 +140,7 @@ def test_claim_leases_with_a_token_from_server_time(queue, redis_client):
     (claimed,) = queue.claim()
     server_us = int(redis_client.time()[0]) * 1_000_000
     assert abs(claimed.delivery.token - server_us) < 5_000_000
-    assert claimed.delivery.deliveries == 1
+    assert claimed.delivery.delivery_count == 1
     assert claimed.payload == b'{"x": 1}'
     assert queue.stats().leased == 1 and queue.stats().ready == 0
 
@@ -252,12 +252,12 @@ def test_expiries_of_deliveries_never_extended_are_charged_up_to_max_deliveries(
     queue.publish([message("a")])
     for delivery in range(1, 4):
         (claimed,) = queue.claim()
-        assert claimed.delivery.deliveries == delivery
+        assert claimed.delivery.delivery_count == delivery
         wait_expired(queue)
         expected = (1, 0) if delivery < 3 else (0, 1)
         assert queue.reclaim_all() == expected
     (letter,) = queue.dead_letters()
-    assert letter.message_id == "a" and letter.deliveries == 3
+    assert letter.message_id == "a" and letter.delivery_count == 3
     assert "never extended it" in letter.reason and "max_deliveries 3" in letter.reason
     assert queue.stats().dead == 1 and queue.claim() == []
 
@@ -329,7 +329,7 @@ def test_dead_letter_keeps_the_body_and_revive_brings_it_back_with_a_higher_toke
     assert queue.revive(["a", "missing"]) == [Reply.OK, Reply.NOT_FOUND]
     assert queue.locate(["a"])["a"].charged == 0  # revived with fresh deliveries
     (again,) = queue.claim()
-    assert again.delivery.token > claimed.delivery.token and again.delivery.deliveries == 2
+    assert again.delivery.token > claimed.delivery.token and again.delivery.delivery_count == 2
 
 
 def test_resent_requeue_and_dead_letter_calls_change_nothing_more(queue, redis_client):
@@ -500,9 +500,9 @@ def test_every_delivery_given_back_is_logged_with_its_reason_and_a_resent_requeu
     (second,) = queue.claim()
     queue.requeue([second.delivery], counted=False, delay_ms=50, token_floor=second.delivery.token + 7)
     newest, oldest = queue.requeue_log(10)
-    assert (oldest.message_id, oldest.token, oldest.deliveries) == ("a", first.delivery.token, 1)
+    assert (oldest.message_id, oldest.token, oldest.delivery_count) == ("a", first.delivery.token, 1)
     assert oldest.counted and oldest.reason == "database unavailable" == oldest.describe()
-    assert (newest.token, newest.deliveries, newest.counted) == (second.delivery.token, 2, False)
+    assert (newest.token, newest.delivery_count, newest.counted) == (second.delivery.token, 2, False)
     assert (newest.delay_ms, newest.token_floor) == (50, second.delivery.token + 7)
     assert newest.describe().startswith("given back unspent") and newest.at_ms >= oldest.at_ms
 

@@ -192,7 +192,7 @@ def lease_expired_after_commit(
     run(demo_tasks.effect, published.key, label, claimed, first)
     assert wait_for(lambda: queue.stats().expired_leases == 1, timeout=10), queue.stats()
     again = claim_one(short)  # the claim reclaims the expired lease first (with the lease it was given)
-    assert again.delivery.message_id == published.message_id and again.delivery.deliveries == 2
+    assert again.delivery.message_id == published.message_id and again.delivery.delivery_count == 2
     run(demo_tasks.effect, published.key, label, again, second)
     queue.ack([again.delivery])
     return published

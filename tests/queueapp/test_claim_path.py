@@ -21,7 +21,7 @@ from lab.bench.querylog import classify
 from queueapp.delivery import DeliveryInfo
 from queueapp.execution import commit
 from queueapp.models import TaskDelivery, TaskOutcome
-from queueapp.queued import record_now
+from queueapp.queued import record
 from queueapp.records import KeyClaim, Outranked, Records, Suppressed
 from queueapp.records.statements import operation
 from tests.helpers import frontend, wire
@@ -47,7 +47,9 @@ def delivery(task_id: str, token: int, *, count: int = 1, retries: int = 0) -> D
 
 def queued(args: list | None = None) -> str:
     key = str(uuid.uuid4())
-    record_now(key, demo_tasks.effect.name, args=args or ["x"], kwargs={}, queue="celery", task_id=key)
+    record(
+        key, demo_tasks.effect.name, args=args or ["x"], kwargs={}, queue="celery", task_id=key, at_once=True
+    )
     return key
 
 
@@ -165,7 +167,7 @@ def test_a_transaction_left_open_between_two_tasks_is_closed_not_kept(effects):
 
 def test_a_row_recorded_without_its_arguments_gets_the_deliverys_and_others_keep_theirs(effects):
     bare, recorded = str(uuid.uuid4()), queued(args=["kept"])
-    record_now(bare, demo_tasks.effect.name, args=[], kwargs={}, queue="celery", task_id=bare)
+    record(bare, demo_tasks.effect.name, args=[], kwargs={}, queue="celery", task_id=bare, at_once=True)
     for key, args in ((bare, ["given"]), (recorded, ["other"])):
         claim = Records().claim(key, delivery(key, 7), args=args, kwargs={"k": 1}, lease_seconds=30)
         assert isinstance(claim, KeyClaim)

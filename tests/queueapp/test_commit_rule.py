@@ -253,9 +253,9 @@ def test_the_wait_of_a_delivery_given_back_for_the_database_doubles_with_each_de
     queue.publish([OutgoingMessage("m1", b"{}")])
     for _ in range(3):
         (item,) = queue.claim(1)
-        if item.delivery.deliveries < 3:
+        if item.delivery.delivery_count < 3:
             queue.requeue([item.delivery], counted=True)
-    assert item.delivery.deliveries == 3
+    assert item.delivery.delivery_count == 3
     execute(
         TASK,
         "k",

@@ -24,7 +24,7 @@ from queueapp import current_delivery
 from queueapp.delivery import DeliveryInfo
 from queueapp.execution import execute
 from queueapp.models import TaskDelivery, TaskOutcome
-from queueapp.queued import record_now
+from queueapp.queued import record
 from queueapp.records import Records
 from tests.helpers import frontend, wire
 from tests.queueapp import demo_tasks
@@ -124,7 +124,7 @@ def test_a_key_with_no_row_yet_gets_its_queued_row_and_is_held_on_postgresql(eff
     assert (outcome.args, outcome.kwargs) == (["a"], {"b": 1})
     assert log() == [(Verdict.EXECUTED, 100, TaskDelivery.TokenSource.BROKER)]
     # The publisher's record, written after, finds the key and changes nothing.
-    record_now("k", TASK.name, args=["a"], kwargs={"b": 1}, queue="celery", task_id="t1")
+    record("k", TASK.name, args=["a"], kwargs={"b": 1}, queue="celery", task_id="t1", at_once=True)
     assert TaskOutcome.objects.get(idempotency_key="k").status == "succeeded"
 
 

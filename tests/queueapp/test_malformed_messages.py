@@ -16,10 +16,11 @@ import uuid
 
 import pytest
 from django.core.management import call_command
+from prometheus_client import CollectorRegistry, generate_latest
 
 from broker_ext.queue import FencedQueue
 from lab.processes import wait_for
-from queueapp import queued
+from queueapp import metrics, queued
 from queueapp.models import TaskOutcome
 from queueapp.ops import reports
 from tests.queueapp import demo_tasks
@@ -104,6 +105,12 @@ def test_a_message_the_decorator_refuses_is_dead_lettered_with_the_decorator_s_r
     # The admin's Stuck page lists each dead letter with its reason.
     listed = reports.stuck_report(demo_tasks.charge.app).dead_lettered
     assert sorted(message.state.reason for message in listed) == sorted(reasons)
+    # /metrics counts them by what was wrong.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics.QueueappCollector(demo_tasks.charge.app))
+    scraped = generate_latest(registry).decode()
+    rejected = 'queueapp_dead_letters{queue="celery",reason="rejected by task tests.queueapp.demo_tasks.%s"}'
+    assert f"{rejected % 'charge'} 2.0" in scraped and f"{rejected % 'effect'} 1.0" in scraped, scraped
     # The key the integer id's publish recorded is dead with the reason, and diagnose says it.
     assert wait_for(lambda: TaskOutcome.objects.get(idempotency_key="charge:7").status == "dead", timeout=30)
     out = io.StringIO()

@@ -33,7 +33,7 @@ def where(queue: FencedQueue, message_id: str) -> MessageState:
 def came_back_or_vanished(queue: FencedQueue, message_id: str) -> bool:
     """The broker decided: the message is gone (acked) or was delivered again / set aside."""
     state = where(queue, message_id)
-    return state.place is Place.ABSENT or state.deliveries >= 2 or state.place is Place.DEAD
+    return state.place is Place.ABSENT or state.delivery_count >= 2 or state.place is Place.DEAD
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@
 -- committed by anyone meanwhile); the delivery's log row is inserted with its verdict, executed.
 -- Parameters: outcome_id, claimed_token, token, task_id, retries, worker, message_id, queue,
 --   delivery_count, started, updated, finished, args, kwargs, result.
--- Returns: log_id; no row when the row changed since the check (nothing written).
+-- Changes no row when the row changed since the check (nothing written).
 WITH done AS (
     UPDATE "queueapp_taskoutcome" SET
 --- @include "claim_assignments"
@@ -23,4 +23,3 @@ SELECT id, %(claimed_token)s,
     , 'executed', '', %(delivery_count)s, %(retries)s, %(worker)s, %(task_id)s, %(message_id)s,
     %(queue)s, %(started)s, %(finished)s
 FROM done
-RETURNING id AS log_id

@@ -4,7 +4,7 @@
 -- then the delivery's log row is inserted with its verdict, executed.
 -- Parameters: outcome_id, claimed_token, token, task_id, retries, worker, message_id, queue,
 --   delivery_count, started, updated, finished, args, kwargs, result.
--- Returns: log_id; no row when the row changed since the check (nothing written).
+-- Changes no row when the row changed since the check (nothing written).
 UPDATE "queueapp_taskoutcome" SET
 --- @include "claim_assignments"
     , status = 'succeeded', finished_at = %(finished)s, lease_deadline = NULL, error = '',
@@ -12,8 +12,7 @@ UPDATE "queueapp_taskoutcome" SET
 WHERE id = %(outcome_id)s AND fence_token < %(claimed_token)s AND (%(queue)s = '' OR queue = %(queue)s)
     AND (
 --- @include "claim_rule"
-    )
-RETURNING id;
+    );
 
 INSERT INTO "queueapp_taskdelivery" (outcome_id, fence_token, token_source, verdict, detail,
     delivery_count, retries, worker, task_id, message_id, queue, started_at, finished_at)
@@ -21,4 +20,3 @@ VALUES (%(outcome_id)s, %(claimed_token)s,
 --- @include "token_source"
     , 'executed', '', %(delivery_count)s, %(retries)s, %(worker)s, %(task_id)s, %(message_id)s,
     %(queue)s, %(started)s, %(finished)s)
-RETURNING id AS log_id
