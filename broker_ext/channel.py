@@ -24,6 +24,7 @@ from redis.retry import Retry
 
 from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
+from broker_ext.bindings import BindingCache
 from broker_ext.consume import Consuming, PendingClaim
 from broker_ext.errors import MessageTooLarge, Reply
 from broker_ext.messages import (
@@ -136,6 +137,7 @@ class Channel(Consuming, kombu_redis.Channel):
 
     def _queue_bind(self, exchange, routing_key, pattern, queue):
         """Kombu's, except that a full Redis does not stop a worker from starting and draining it."""
+        self.bindings.forget(exchange)
         try:
             super()._queue_bind(exchange, routing_key, pattern, queue)
         except redis.exceptions.OutOfMemoryError:
@@ -146,14 +148,33 @@ class Channel(Consuming, kombu_redis.Channel):
                 queue,
             )
 
+    @cached_property
+    def bindings(self) -> BindingCache:
+        return BindingCache(self.settings.binding_cache_ttl)
+
     def get_table(self, exchange):
-        """An exchange's bindings: read from Redis per publish, but once per exchange within a batch."""
+        """An exchange's bindings, as kept by :attr:`bindings` (and once per exchange within a batch)."""
         batch = self.routing_batch
-        if batch is None:
-            return super().get_table(exchange)
-        if exchange not in batch.tables:
-            batch.tables[exchange] = super().get_table(exchange)
-        return batch.tables[exchange]
+        if batch is not None and exchange in batch.tables:
+            return batch.tables[exchange]
+        table = self.bindings.table(exchange, lambda: super(Channel, self).get_table(exchange))
+        if batch is not None:
+            batch.tables[exchange] = table
+        return table
+
+    def _lookup(self, exchange, routing_key, default=None):
+        """Kombu's routing; a routing key no queue matches in a kept table reads the table again first."""
+        if exchange and self.bindings.kept(exchange):
+            try:
+                found = self.typeof(exchange).lookup(self.get_table(exchange), exchange, routing_key, None)
+            except KeyError:
+                found = None
+            if found:
+                return found
+            self.bindings.forget(exchange)
+            if self.routing_batch is not None:
+                self.routing_batch.tables.pop(exchange, None)
+        return super()._lookup(exchange, routing_key, default)
 
     # -- publish -------------------------------------------------------------------------
 
@@ -207,6 +228,7 @@ class Channel(Consuming, kombu_redis.Channel):
     def _delete(self, queue, exchange, routing_key, pattern, *args, **kwargs):
         """Unbind the queue and delete its keys (Kombu's stock list keys do not exist here)."""
         self.auto_delete_queues.discard(queue)
+        self.bindings.forget(exchange)
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.conn_or_acquire(client=kwargs.get("client")) as client:
             client.srem(self.keyprefix_queue % (exchange,), member)

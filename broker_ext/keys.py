@@ -17,9 +17,8 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:reasons`` hash    message id -> why it was dead-lettered (JSON)
 ``fenced:{T}:done``    zset    acked ids -> acked at (publish dedup window)
 ``fenced:{T}:acks``    hash    acked ids -> "token|claim" of the delivery that acked it
-``fenced:{T}:seq``     string  per-queue sequence for FIFO order within a priority
+``fenced:{T}:counters`` string the sequence (FIFO within a priority) and the counters, 64 bits each
 ``fenced:{T}:wake``    zset    the wake-up marker idle consumers block on (one member)
-``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
 ``fenced:{T}:requeues`` list   recent deliveries their consumer gave back, and why (capped, JSON)
@@ -108,7 +107,12 @@ class QueueKeys:
         return self._key("acks")
 
     @cached_property
+    def counters(self) -> str:
+        return self._key("counters")
+
+    @cached_property
     def seq(self) -> str:
+        """The sequence of an earlier version (a string): read once, when the queue's counters start."""
         return self._key("seq")
 
     @cached_property
@@ -117,6 +121,7 @@ class QueueKeys:
 
     @cached_property
     def stats(self) -> str:
+        """The counters of an earlier version (a hash): ``queue_stats`` adds them in."""
         return self._key("stats")
 
     @cached_property
@@ -137,7 +142,7 @@ class QueueKeys:
 
     def retired(self) -> list[str]:
         """Keys earlier versions wrote that this one no longer does (a queue's delete removes them)."""
-        return [self._key("signal")]
+        return [self._key("signal"), self.seq, self.stats]
 
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")
@@ -157,9 +162,8 @@ class QueueKeys:
             self.reasons,
             self.done,
             self.acks,
-            self.seq,
+            self.counters,
             self.wake,
-            self.stats,
             self.dedups,
             self.reclaims,
             self.requeues,

@@ -115,6 +115,14 @@ FENCED_OPTIONS: tuple[Option, ...] = (
     ),
     Option("ack_batch_size", 100, "", "buffered acks that are sent at once", kind="count"),
     Option(
+        "binding_cache_ttl",
+        5.0,
+        "s",
+        "how long a publisher routes by an exchange's bindings it read (read again sooner when a "
+        "routing key finds no queue, or the channel binds itself; 0: read on every publish, as redis://)",
+        kind="non_negative",
+    ),
+    Option(
         "command_retries",
         None,
         "",
@@ -228,6 +236,7 @@ class TransportSettings:
     max_message_size: int
     ack_flush_interval: float
     ack_batch_size: int
+    binding_cache_ttl: float = 0.0
     queue: QueueOptions = field(default_factory=QueueOptions)
 
 
@@ -290,6 +299,7 @@ def resolve(values: Callable[[str], Any]) -> TransportSettings:
         max_message_size=int(values("max_message_size")),
         ack_flush_interval=float(values("ack_flush_interval")),
         ack_batch_size=int(values("ack_batch_size")),
+        binding_cache_ttl=float(values("binding_cache_ttl")),
         queue=QueueOptions(
             lease_ms=int(lease * 1000),
             max_deliveries=int(values("max_deliveries")),

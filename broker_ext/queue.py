@@ -580,20 +580,23 @@ def _reason_of(raw: bytes | str | None) -> str:
 
 
 def scan_queue_names(client, *, prefix: str = "", limit: int = 10_000, batch: int = 1000) -> set[str]:
-    """Names of the fenced queues in Redis (a ``stats`` hash each), looking at no more than ``limit`` keys.
+    """Names of the fenced queues in Redis (a ``counters`` key each, or an earlier version's ``stats``),
+    looking at no more than ``limit`` keys per kind.
 
     Bounded, so that a big Redis stays cheap to ask.
     """
-    pattern = key_pattern("stats", prefix)
     names: set[str] = set()
-    cursor, examined = 0, 0
-    while examined < limit:
-        cursor, keys = client.scan(cursor, match=pattern, count=min(batch, limit - examined))
-        examined += batch
-        for key in keys:
-            name = queue_of_key(_text(key), "stats")
-            if name is not None:
-                names.add(name)
-        if cursor == 0:
-            break
+    for kind in ("counters", "stats"):
+        cursor, examined = 0, 0
+        while examined < limit:
+            cursor, keys = client.scan(
+                cursor, match=key_pattern(kind, prefix), count=min(batch, limit - examined)
+            )
+            examined += batch
+            for key in keys:
+                name = queue_of_key(_text(key), kind)
+                if name is not None:
+                    names.add(name)
+            if cursor == 0:
+                break
     return names

@@ -41,7 +41,8 @@ LUA_DIR = Path(__file__).with_name("lua")
 #: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last;
 #: ``journal``, ``unacked``, ``unacked_index``, ``list``: keys of a stock Kombu Redis, see
 #: :mod:`broker_ext.adoption`).
-_PUBLISHING = ("bodies", "state", "ready", "delayed", "seq", "done", "wake", "stats", "dedups", "acks")
+#: The keys of a queue a publish writes (publish.lua, and the adopt scripts that publish too).
+_PUBLISHING = ("bodies", "state", "ready", "delayed", "seq", "done", "wake", "counters", "dedups", "acks")
 SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
     "publish": (*_PUBLISHING, "dedup"),
     "claim": (
@@ -51,14 +52,14 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "bodies",
         "state",
         "seq",
-        "stats",
+        "counters",
         "request",
         "dead",
         "reasons",
         "wake",
         "reclaims",
     ),
-    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "stats"),
+    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "counters"),
     "extend": ("leases", "state", "ready", "delayed"),
     "requeue": (
         "leases",
@@ -67,16 +68,16 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "delayed",
         "seq",
         "wake",
-        "stats",
+        "counters",
         "dead",
         "reasons",
         "requeues",
     ),
-    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "stats"),
-    "reclaim": ("leases", "state", "ready", "seq", "wake", "stats", "dead", "reasons", "reclaims"),
-    "revive": ("dead", "reasons", "state", "ready", "seq", "wake", "stats", "leases", "delayed"),
-    "purge": ("ready", "bodies", "state", "stats"),
-    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats"),
+    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "counters"),
+    "reclaim": ("leases", "state", "ready", "seq", "wake", "counters", "dead", "reasons", "reclaims"),
+    "revive": ("dead", "reasons", "state", "ready", "seq", "wake", "counters", "leases", "delayed"),
+    "purge": ("ready", "bodies", "state", "counters"),
+    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats", "counters"),
     "report_consumer": ("consumers",),
     "adopt": (*_PUBLISHING, "adopted"),
     "adopt_local": (*_PUBLISHING, "adopted", "unacked", "unacked_index", "list"),

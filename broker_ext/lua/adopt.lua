@@ -16,10 +16,10 @@ KEYS[1]  bodies   hash
 KEYS[2]  state    hash
 KEYS[3]  ready    zset
 KEYS[4]  delayed  zset
-KEYS[5]  seq      string
+KEYS[5]  seq      string the sequence an earlier version kept (read once, when the counters start)
 KEYS[6]  done     zset
 KEYS[7]  wake     zset
-KEYS[8]  stats    hash
+KEYS[8]  counters string (lua/include/counters.lua)
 KEYS[9]  dedups   list
 KEYS[10] acks     hash
 KEYS[11] adopted  hash   stock publish id -> moved at ms (server time)
@@ -59,11 +59,11 @@ end
 check_types(adopt_key_types(k))
 
 local now_ms = server_time()
-local replies, stored, made_ready = {}, 0, false
+local replies, made_ready = {}, false
+local counts = {published = 0, adopted = 0, duplicate_publishes = 0}
 for i, m in ipairs(messages) do
-  local reply, readied = adopt_message(k, m, now_ms)
+  local reply, readied = adopt_message(k, m, now_ms, counts)
   replies[i], made_ready = reply, made_ready or readied
-  if reply == 1 then stored = stored + 1 end
 end
-adopt_finish(k, stored, made_ready, ledger_ttl)
+adopt_finish(k, counts, made_ready, ledger_ttl)
 return replies

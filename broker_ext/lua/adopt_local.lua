@@ -14,10 +14,10 @@ KEYS[1]  bodies         hash
 KEYS[2]  state          hash
 KEYS[3]  ready          zset
 KEYS[4]  delayed        zset
-KEYS[5]  seq            string
+KEYS[5]  seq            string  the sequence an earlier version kept (read only)
 KEYS[6]  done           zset
 KEYS[7]  wake           zset
-KEYS[8]  stats          hash
+KEYS[8]  counters       string  (lua/include/counters.lua)
 KEYS[9]  dedups         list
 KEYS[10] acks           hash
 KEYS[11] adopted        hash  stock publish id -> moved at ms (server time)
@@ -75,17 +75,17 @@ if s.list then types[#types + 1] = {s.list, 'list'} end
 check_types(types)
 
 local now_ms = server_time()
-local replies, stored, made_ready = {}, 0, false
+local replies, made_ready = {}, false
+local counts = {published = 0, adopted = 0, duplicate_publishes = 0}
 for i, e in ipairs(entries) do
   local taken = take_stock(s, e.source, max_age, now_ms)
   if type(taken) == 'number' then
     replies[i] = taken
   else
     if e.payload == '' then e.payload = taken end
-    local reply, readied = adopt_message(k, e, now_ms)
+    local reply, readied = adopt_message(k, e, now_ms, counts)
     replies[i], made_ready = reply, made_ready or readied
-    if reply == 1 then stored = stored + 1 end
   end
 end
-adopt_finish(k, stored, made_ready, ledger_ttl)
+adopt_finish(k, counts, made_ready, ledger_ttl)
 return replies

@@ -35,8 +35,8 @@ KEYS[2]  delayed   zset
 KEYS[3]  leases    zset
 KEYS[4]  bodies    hash
 KEYS[5]  state     hash
-KEYS[6]  seq       string
-KEYS[7]  stats     hash
+KEYS[6]  seq       string  the sequence an earlier version kept (read once, when the counters start)
+KEYS[7]  counters  string  the sequence and the counters (lua/include/counters.lua)
 KEYS[8]  request   string  ids this claim leased, for a resent claim (expires)
 KEYS[9]  dead      zset
 KEYS[10] reasons   hash
@@ -62,7 +62,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "wake"
 --- @include "reclaim_expired"
 --- @include "keep_expiry"
-local ready, delayed, leases, bodies, state, seq, stats, request, dead, reasons, wake_key, reclaims =
+local ready, delayed, leases, bodies, state, seq, counters, request, dead, reasons, wake_key, reclaims =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 if #KEYS ~= 12 or #ARGV ~= 11 then error({err = 'FENCED BADARG claim needs 12 keys and 11 arguments'}) end
 local count = arg_int(ARGV[1], 'count', 1, 100000)
@@ -97,7 +97,7 @@ if previous then
 end
 
 local function touch_queue()
-  keep_expiry(ttl, {ready, delayed, leases, bodies, state, seq, stats, dead, reasons, wake_key, reclaims})
+  keep_expiry(ttl, {ready, delayed, leases, bodies, state, counters, dead, reasons, wake_key, reclaims})
 end
 
 -- An idle queue (what every consumer polls for, once a second) costs these reads and nothing more.
@@ -109,14 +109,14 @@ if #due == 0 and not expiring and redis.call('ZCARD', ready) == 0 then
   return {out, dead_out}
 end
 check_types({{ready, 'zset'}, {delayed, 'zset'}, {leases, 'zset'}, {bodies, 'hash'}, {state, 'hash'},
-             {seq, 'string'}, {stats, 'hash'}, {request, 'string'}, {dead, 'zset'}, {reasons, 'hash'},
+             {counters, 'string'}, {request, 'string'}, {dead, 'zset'}, {reasons, 'hash'},
              {wake_key, 'zset'}, {reclaims, 'list'}})
 
 -- Expired leases back to ready (or dead), before anything is taken.
 local reclaimed = {reclaimed = 0, strays = 0, interrupted = 0, dead = {}}
 if expiring then
-  local k = {leases = leases, state = state, ready = ready, seq = seq, dead = dead, reasons = reasons,
-             reclaims = reclaims}
+  local k = {leases = leases, state = state, ready = ready, counters = counters, seq = seq, dead = dead,
+             reasons = reasons, reclaims = reclaims}
   reclaimed = reclaim_expired(k, now_ms, now_us, reclaim_limit, lease, limits)
   for _, v in ipairs(reclaimed.dead) do dead_out[#dead_out + 1] = v end
 end
@@ -127,7 +127,7 @@ for i, id in ipairs(due) do due_states[i] = parse_state(redis.call('HGET', state
 for i, id in ipairs(due) do
   redis.call('ZREM', delayed, id)
   if due_states[i] then
-    make_ready(ready, seq, id, due_states[i].priority, false)
+    make_ready(ready, counters, seq, id, due_states[i].priority, false)
   else
     local reason = 'undeliverable: missing or corrupt state'
     redis.call('HSET', state, id, string.format('%.0f', now_us) .. '|0|0|0|0|' .. now_ms .. '|0|')
@@ -187,10 +187,7 @@ if #leased > 0 and request_ttl > 0 then
   local keep = ttl > 0 and math.min(request_ttl, ttl) or request_ttl
   redis.call('SET', request, table.concat(leased, '\n'), 'PX', keep)
 end
-if #out > 0 then redis.call('HINCRBY', stats, 'claimed', #out / 4) end
-if #dead_out > 0 then redis.call('HINCRBY', stats, 'dead_lettered', #dead_out / 2) end
-if reclaimed.reclaimed > 0 then redis.call('HINCRBY', stats, 'reclaimed', reclaimed.reclaimed) end
-if reclaimed.interrupted > 0 then redis.call('HINCRBY', stats, 'interrupted', reclaimed.interrupted) end
-if reclaimed.strays > 0 then redis.call('HINCRBY', stats, 'stray_leases_removed', reclaimed.strays) end
+add_counts(counters, {claimed = #out / 4, dead_lettered = #dead_out / 2, reclaimed = reclaimed.reclaimed,
+                      interrupted = reclaimed.interrupted, stray_leases_removed = reclaimed.strays})
 touch_queue()
 return {out, dead_out}

@@ -27,9 +27,9 @@ KEYS[1] leases   zset
 KEYS[2] state    hash
 KEYS[3] ready    zset
 KEYS[4] delayed  zset
-KEYS[5] seq      string
+KEYS[5] seq      string  the sequence an earlier version kept (read once, when the counters start)
 KEYS[6] wake     zset
-KEYS[7] stats    hash
+KEYS[7] counters string  (lua/include/counters.lua)
 KEYS[8] dead     zset
 KEYS[9] reasons  hash
 KEYS[10] requeues list
@@ -55,7 +55,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "wake"
 --- @include "set_dead"
 --- @include "keep_expiry"
-local leases, state, ready, delayed, seq, wake_key, stats, dead, reasons, requeues =
+local leases, state, ready, delayed, seq, wake_key, counters, dead, reasons, requeues =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 if #KEYS ~= 10 or #ARGV < 9 or (#ARGV - 6) % 3 ~= 0 then
   error({err = 'FENCED BADARG requeue needs 10 keys, 4 numbers, a reason, a ttl and id/token/claim triples'})
@@ -66,8 +66,8 @@ local delay = arg_int(ARGV[3], 'delay ms', 0, 1e12)
 local floor = arg_int(ARGV[4], 'token floor', 0, 2 ^ 53)
 local why = ARGV[5] ~= '' and ARGV[5] or 'rejected'
 local ttl = arg_int(ARGV[6], 'queue ttl', 0, 1e12)
-check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {seq, 'string'},
-             {wake_key, 'zset'}, {stats, 'hash'}, {dead, 'zset'}, {reasons, 'hash'}, {requeues, 'list'}})
+check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'},
+             {wake_key, 'zset'}, {counters, 'string'}, {dead, 'zset'}, {reasons, 'hash'}, {requeues, 'list'}})
 
 -- Read and check every message before the first write.
 local found = {}
@@ -111,7 +111,7 @@ for i = 7, #ARGV, 3 do
       if delay > 0 then
         redis.call('ZADD', delayed, now_ms + delay, id)
       else
-        make_ready(ready, seq, id, s.priority, not counted)
+        make_ready(ready, counters, seq, id, s.priority, not counted)
         wake(wake_key)
       end
       replies[#replies + 1] = 1
@@ -120,10 +120,9 @@ for i = 7, #ARGV, 3 do
     redis.call('HSET', state, id, format_state(s))
   end
 end
-if requeued > 0 then redis.call('HINCRBY', stats, 'requeued', requeued) end
-if moved > 0 then redis.call('HINCRBY', stats, 'dead_lettered', moved) end
+add_counts(counters, {requeued = requeued, dead_lettered = moved})
 if requeued + moved > 0 then
   redis.call('LTRIM', requeues, 0, 999)
-  keep_expiry(ttl, {state, ready, delayed, seq, wake_key, stats, dead, reasons, requeues})
+  keep_expiry(ttl, {state, ready, delayed, wake_key, counters, dead, reasons, requeues})
 end
 return replies

@@ -17,9 +17,9 @@ KEYS[1] dead     zset
 KEYS[2] reasons  hash
 KEYS[3] state    hash
 KEYS[4] ready    zset
-KEYS[5] seq      string
+KEYS[5] seq      string  the sequence an earlier version kept (read once, when the counters start)
 KEYS[6] wake     zset
-KEYS[7] stats    hash
+KEYS[7] counters string  (lua/include/counters.lua)
 KEYS[8] leases   zset
 KEYS[9] delayed  zset
 
@@ -35,15 +35,15 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "ready"
 --- @include "wake"
 --- @include "keep_expiry"
-local dead, reasons, state, ready, seq, wake_key, stats, leases, delayed =
+local dead, reasons, state, ready, seq, wake_key, counters, leases, delayed =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 if #KEYS ~= 9 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
   error({err = 'FENCED BADARG revive needs 9 keys, a reset flag, a ttl and id/token/claim triples'})
 end
 local reset = arg_int(ARGV[1], 'reset', 0, 1) == 1
 local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
-check_types({{dead, 'zset'}, {reasons, 'hash'}, {state, 'hash'}, {ready, 'zset'}, {seq, 'string'},
-             {wake_key, 'zset'}, {stats, 'hash'}, {leases, 'zset'}, {delayed, 'zset'}})
+check_types({{dead, 'zset'}, {reasons, 'hash'}, {state, 'hash'}, {ready, 'zset'},
+             {wake_key, 'zset'}, {counters, 'string'}, {leases, 'zset'}, {delayed, 'zset'}})
 
 local found = {}
 for i = 3, #ARGV, 3 do
@@ -72,14 +72,14 @@ for i = 3, #ARGV, 3 do
     redis.call('ZREM', leases, id)
     redis.call('ZREM', delayed, id)
     redis.call('HSET', state, id, format_state(s))
-    make_ready(ready, seq, id, s.priority, true)
+    make_ready(ready, counters, seq, id, s.priority, true)
     replies[#replies + 1] = 1
     revived = revived + 1
   end
 end
 if revived > 0 then
   wake(wake_key)
-  redis.call('HINCRBY', stats, 'revived', revived)
-  keep_expiry(ttl, {state, ready, seq, wake_key, stats})
+  add_counts(counters, {revived = revived})
+  keep_expiry(ttl, {state, ready, wake_key, counters})
 end
 return replies

@@ -115,6 +115,40 @@ def test_a_caller_s_publish_id_header_makes_a_publish_idempotent_across_processe
         assert PUBLISH_ID not in received.headers and PUBLISH_ID not in received.properties
 
 
+def test_a_publisher_routes_by_the_bindings_it_read_and_reads_them_again_when_a_key_routes_nowhere(
+    fenced_url,
+):
+    """The binding table is read once (no SMEMBERS round trip per publish). A queue another process
+    binds to a new routing key is found at the first publish to it; one bound to a routing key that
+    already routes, after binding_cache_ttl (or at the next read)."""
+    exchange = Exchange("routed", "direct")
+
+    def bind_elsewhere(name: str, routing_key: str) -> None:
+        with Connection(fenced_url) as other:
+            Queue(name, exchange, routing_key=routing_key)(other.channel()).declare()
+
+    with Connection(fenced_url, transport_options={"binding_cache_ttl": 0.5}) as producer_conn:
+        producer = Producer(producer_conn.channel(), exchange=exchange)
+        channel = producer.channel
+        Queue("routed-a", exchange, routing_key="a")(channel).declare()
+        producer.publish({"n": 1}, routing_key="a")  # reads the table, and keeps it
+
+        def sizes() -> list[int]:
+            return [channel.fenced_queue(f"routed-{name}").size() for name in ("a", "a2", "b", "a3")]
+
+        bind_elsewhere("routed-a2", "a")
+        producer.publish({"n": 2}, routing_key="a")
+        assert sizes() == [2, 0, 0, 0]  # "a" still routes by the table kept
+        bind_elsewhere("routed-b", "b")
+        producer.publish({"n": 3}, routing_key="b")  # routes nowhere in the table kept: read again
+        producer.publish({"n": 4}, routing_key="a")
+        assert sizes() == [3, 1, 1, 0]
+        bind_elsewhere("routed-a3", "a")
+        time.sleep(0.6)  # binding_cache_ttl
+        producer.publish({"n": 5}, routing_key="a")
+        assert sizes() == [4, 2, 1, 1]
+
+
 def test_batch_publish_sends_many_messages_through_one_pipeline(fenced_url):
     with Connection(fenced_url) as conn:
         queue = Queue("batched", Exchange("batched"), routing_key="batched")

@@ -16,7 +16,7 @@ from broker_ext.records import Delivery, OutgoingMessage
 from broker_ext.scripts import LUA_DIR, SCRIPT_KEYS, SCRIPT_NAMES, source
 from lab.processes import wait_for
 
-HASH_KEYS = {"bodies", "state", "reasons", "stats"}
+HASH_KEYS = {"bodies", "state", "reasons", "stats", "acks"}
 
 
 def message(message_id: str, body: str = "{}", **kwargs) -> OutgoingMessage:
@@ -374,7 +374,7 @@ def test_stats_report_depths_and_oldest_ready_age(queue):
         ("leases", lambda q: q.extend([Delivery("jobs", "a", 1)])),
         ("dead", lambda q: q.requeue([Delivery("jobs", "a", 1)])),
         ("reasons", lambda q: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
-        ("seq", lambda q: q.claim(1)),
+        ("counters", lambda q: q.claim(1)),
         ("wake", lambda q: q.revive(["a"])),
         ("bodies", lambda q: q.purge()),
     ],
@@ -391,6 +391,60 @@ def test_a_wrong_typed_key_fails_the_script_with_no_partial_write(queue, redis_c
     with pytest.raises(ScriptRefused, match="WRONGTYPE"):
         operation(queue)
     assert snapshot(redis_client) == before
+
+
+#: Every key a publish writes or reads, and a publish that touches it.
+PUBLISH_KEYS = [
+    ("state", {}),
+    ("bodies", {}),
+    ("counters", {}),
+    ("ready", {}),
+    ("wake", {}),
+    ("delayed", {"delay_ms": 60_000}),
+    ("done", {}),
+    ("dedups", {"dedup_key": "k", "dedup_window_ms": 60_000}),
+]
+
+
+@pytest.mark.parametrize(("key_name", "kind"), PUBLISH_KEYS)
+def test_a_key_of_the_wrong_type_planted_between_two_publishes_is_refused_with_nothing_written(
+    queue, redis_client, key_name, kind
+):
+    """publish checks no key's type up front (a TYPE per key per call): its first write fails before
+    anything is written, and a later write that fails undoes the ones before it."""
+    assert queue.publish([message("first", **kind)]) == [Reply.OK]
+    if key_name == "dedups":  # the log is written when a publish is deduplicated: the second one is
+        kind = {**kind, "dedup_key": "k"}
+    key = getattr(queue.keys, key_name)
+    redis_client.delete(key)
+    if key_name in HASH_KEYS:
+        redis_client.set(key, "not a hash")
+    else:
+        redis_client.hset(key, "not", "the right type")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
+        queue.publish([message("second", **kind)])
+    assert snapshot(redis_client) == before
+    redis_client.delete(key)
+    assert queue.publish([message("second", **kind)]) == [
+        Reply.DEDUPLICATED if key_name == "dedups" else Reply.OK
+    ]
+
+
+def test_a_queue_whose_counters_start_now_continues_the_sequence_of_an_earlier_version(queue, redis_client):
+    """Before the counters key, the sequence was a string `seq` and the counts a hash `stats`: messages
+    ready then keep their place before later ones, and the counts go on."""
+    redis_client.set(queue.keys.seq, 5000)
+    redis_client.hset(queue.keys.stats, mapping={"published": 7, "acked": 3})
+    redis_client.hset(queue.keys.state, "old", "0|0|0|0|0|1|0|")
+    redis_client.hset(queue.keys.bodies, "old", "{}")
+    redis_client.zadd(queue.keys.ready, {"old": 5000})
+    queue.publish([message("new")])
+    assert [c.delivery.message_id for c in queue.claim(2)] == ["old", "new"]
+    assert {k: v for k, v in queue.stats().counters.items() if k in ("published", "acked")} == {
+        "published": 8,
+        "acked": 3,
+    }
 
 
 def test_bad_arguments_are_refused_before_any_write(queue, redis_client):
@@ -554,7 +608,7 @@ def test_a_ready_message_that_cannot_be_delivered_is_dead_lettered_with_the_reas
 
 
 def test_priority_order_holds_after_a_trillion_publishes(queue, redis_client):
-    redis_client.set(queue.keys.seq, 2 * 10**12)
+    redis_client.bitfield(queue.keys.counters).set("i64", "#0", 2 * 10**12).execute()
     queue.publish([message("low", priority=1), message("high", priority=0)])
     (claimed,) = queue.claim()
     queue.requeue([claimed.delivery], counted=False)  # back to the front of priority 0
@@ -601,8 +655,8 @@ def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_noth
     """Reclaim runs every few seconds on every consumer: when nothing expired it only reads."""
     queue.publish([message("a")])
     queue.claim()
-    redis_client.delete(queue.keys.seq)
-    redis_client.hset(queue.keys.seq, "not", "a string")
+    redis_client.delete(queue.keys.counters)
+    redis_client.hset(queue.keys.counters, "not", "a string")
     before = snapshot(redis_client)
     assert queue.reclaim_all() == (0, 0)  # the lease has not expired: nothing to write, nothing checked
     wait_expired(queue)
