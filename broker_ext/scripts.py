@@ -38,9 +38,13 @@ from broker_ext.errors import RedisFull, RedisUnavailable, ScriptRefused
 
 LUA_DIR = Path(__file__).with_name("lua")
 #: Each script's KEYS in order, by role: a :class:`~broker_ext.keys.QueueKeys` attribute, or a
-#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last).
+#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last;
+#: ``journal``, ``unacked``, ``unacked_index``, ``list``: keys of a stock Kombu Redis, see
+#: :mod:`broker_ext.adoption`).
+#: The keys of a queue a publish writes (publish.lua, and the adopt scripts that publish too).
+_PUBLISHING = ("bodies", "state", "ready", "delayed", "seq", "done", "wake", "counters", "dedups", "acks")
 SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
-    "publish": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "dedups", "dedup"),
+    "publish": (*_PUBLISHING, "dedup"),
     "claim": (
         "ready",
         "delayed",
@@ -48,14 +52,14 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "bodies",
         "state",
         "seq",
-        "stats",
+        "counters",
         "request",
         "dead",
         "reasons",
-        "signal",
+        "wake",
         "reclaims",
     ),
-    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "stats"),
+    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "counters"),
     "extend": ("leases", "state", "ready", "delayed"),
     "requeue": (
         "leases",
@@ -63,18 +67,21 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "ready",
         "delayed",
         "seq",
-        "signal",
-        "stats",
+        "wake",
+        "counters",
         "dead",
         "reasons",
         "requeues",
     ),
-    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "stats"),
-    "reclaim": ("leases", "state", "ready", "seq", "signal", "stats", "dead", "reasons", "reclaims"),
-    "revive": ("dead", "reasons", "state", "ready", "seq", "signal", "stats", "leases", "delayed"),
-    "purge": ("ready", "bodies", "state", "stats"),
-    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats"),
+    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "counters"),
+    "reclaim": ("leases", "state", "ready", "seq", "wake", "counters", "dead", "reasons", "reclaims"),
+    "revive": ("dead", "reasons", "state", "ready", "seq", "wake", "counters", "leases", "delayed"),
+    "purge": ("ready", "bodies", "state", "counters"),
+    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats", "counters"),
     "report_consumer": ("consumers",),
+    "adopt": (*_PUBLISHING, "adopted"),
+    "adopt_local": (*_PUBLISHING, "adopted", "unacked", "unacked_index", "list"),
+    "adopt_take": ("journal", "unacked", "unacked_index", "list"),
 }
 SCRIPT_NAMES = tuple(SCRIPT_KEYS)
 INCLUDE = re.compile(r'^--- @include "(?P<name>\w+)"$', re.MULTILINE)
@@ -148,6 +155,9 @@ class Scripts:
     purge: Script
     queue_stats: Script
     report_consumer: Script
+    adopt: Script
+    adopt_local: Script
+    adopt_take: Script
 
 
 def register(client) -> Scripts:
