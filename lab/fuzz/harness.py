@@ -30,9 +30,9 @@ from django.db import connections
 from kombu import Connection
 
 from broker_ext.errors import Reply
-from broker_ext.messages import message_id_of
+from broker_ext.messages import BESIDE, message_id_of
 from broker_ext.queue import FencedQueue
-from broker_ext.records import OutgoingMessage
+from broker_ext.records import OutgoingMessage, StoredState
 from lab.fuzz.fates import FuzzVerdict, Observation, judge
 from lab.fuzz.messages import HUGE, Example, build, draw_specs
 from lab.models import Effect
@@ -152,10 +152,27 @@ def _publish(channel, queue: FencedQueue, example: Example) -> str:
             )
         example.message_id = outgoing.message_id
         (reply,) = queue.publish([outgoing])
+        if reply is Reply.OK and outgoing.publish_id:
+            example.message_id = _stored_under(queue, outgoing.message_id, outgoing.publish_id)
     except Exception as exc:
         example.message_id = example.message_id or f"fuzz-{example.label}"
         return f"refused: {type(exc).__name__}: {exc}"[:300]
     return "duplicate" if reply is Reply.DUPLICATE else "accepted"
+
+
+def _stored_under(queue: FencedQueue, message_id: str, publish_id: str) -> str:
+    """Where a publish went: its message id, or ``<id>~<n>`` beside a live message of the same id.
+
+    A task id used twice (two publishes, two publish ids) is two messages, as on
+    the stock transport; the live one's record lists the later publish's place.
+    """
+    raw = queue.client.hget(queue.keys.state, message_id)
+    state = StoredState.parse(raw)
+    for entry in (state.publish_ids if state else "").split(","):
+        stored_by, beside, number = entry.partition(BESIDE)
+        if stored_by == publish_id and beside:
+            return f"{message_id}{BESIDE}{number}"
+    return message_id
 
 
 def _settle(queue: FencedQueue, workers: Workers, timeout: float, stop: threading.Event) -> bool:
@@ -218,13 +235,20 @@ def _observe(
     return observations
 
 
-def _ops_show_dead_letters(app, observations: list[Observation]) -> list[str]:
+def _ops_show_dead_letters(app, queue: FencedQueue, observations: list[Observation]) -> list[str]:
     """The dead letters' reasons reach ops: ``/queueapp/metrics`` counts them, ``diagnose`` tells them."""
     from django.test import Client
     from django.test.utils import override_settings
 
     problems = []
-    dead = {o.message_id for o in observations if o.place == "dead"}
+    dead = set(queue.dead_ids())
+    unaccounted = dead - {o.message_id for o in observations if o.place == "dead"}
+    if unaccounted:
+        reasons = {d.message_id: d.reason for d in queue.dead_letters(limit=len(dead) + 10)}
+        problems.append(
+            "dead letters of no example: "
+            + "; ".join(f"{m}: {reasons.get(m, '?')[:80]}" for m in sorted(unaccounted)[:5])
+        )
     allow = {"QUEUEAPP": {"METRICS_ALLOW": ["127.0.0.1"], "CACHE": None}, "ALLOWED_HOSTS": ["testserver"]}
     with override_settings(**allow):
         text = Client(REMOTE_ADDR="127.0.0.1").get("/queueapp/metrics").content.decode()
@@ -322,7 +346,7 @@ class FuzzRig:
         dead_workers = [pool for pool, worker in self.workers.current.items() if not worker.alive()]
         if dead_workers:
             self.violations.append(f"workers not alive at the end: {dead_workers}")
-        return self.violations + _ops_show_dead_letters(self.app, observations)
+        return self.violations + _ops_show_dead_letters(self.app, self.queue, observations)
 
 
 def run_fuzz(

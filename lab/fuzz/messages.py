@@ -24,6 +24,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from broker_ext.messages import PUBLISH_ID
+
 #: The exactly-once task every example is (or pretends to be) a call of.
 TASK = "lab.fenced_effect"
 #: Headers of a protocol 2 task message that the fuzzer mutates or removes.
@@ -248,6 +250,7 @@ def valid_envelope(app, *, run: str, label: str, task_id: str, queue: str) -> di
             "priority": 0,
             "delivery_info": {"exchange": "", "routing_key": queue},
             "delivery_tag": str(uuid.uuid4()),
+            PUBLISH_ID: uuid.uuid4().hex,  # What publish_id_of() would set; a resend reuses it.
         },
     }
 
@@ -267,6 +270,17 @@ def _body(kind: str, run: str, label: str) -> bytes | object:
     return b""
 
 
+def _collide(envelope: dict, collide: str, before: Example) -> None:
+    """``next-retry``: the next attempt of the same task; ``same-message``: a resend of the same publish
+    (a retry after a lost reply), with its message id and publish id."""
+    if collide == "next-retry":
+        envelope["headers"]["retries"] = 1
+    elif before.envelope is not None:
+        publish_id = (before.envelope.get("properties") or {}).get(PUBLISH_ID)
+        if publish_id:
+            envelope["properties"][PUBLISH_ID] = publish_id
+
+
 def build(app, spec: Spec, *, index: int, run: str, queue: str, earlier: list[Example]) -> Example:
     """The example ``spec`` describes, numbered ``index`` in its run; collisions reuse an earlier id."""
     label = f"{run}-{index}"
@@ -276,8 +290,8 @@ def build(app, spec: Spec, *, index: int, run: str, queue: str, earlier: list[Ex
         task_id = earlier[-1].task_id if isinstance(earlier[-1].task_id, str) else task_id
     envelope = valid_envelope(app, run=run, label=label, task_id=task_id, queue=queue)
     kinds: list[str] = [f"collide:{collide}"] if collide else []
-    if collide == "next-retry":
-        envelope["headers"]["retries"] = 1
+    if collide:
+        _collide(envelope, collide, earlier[-1])
     payload: bytes | None = None
     for mutation in spec.mutations:
         kinds.append(mutation.describe())
