@@ -191,7 +191,12 @@ def _settle(queue: FencedQueue, workers: Workers, timeout: float, stop: threadin
 
 
 def _observe(
-    run: str, queue: FencedQueue, examples: list[Example], published: dict[int, str], taken: set[int]
+    run: str,
+    queue: FencedQueue,
+    examples: list[Example],
+    published: dict[int, str],
+    taken: set[int],
+    run_examples: list[Example],
 ) -> list[Observation]:
     """Every example's place in Redis, effects and outcome row, read once its batch settled."""
     connections.close_all()  # The workers wrote; read their writes on a fresh connection.
@@ -207,8 +212,8 @@ def _observe(
 
     outcomes = {o.idempotency_key: o for o in TaskOutcome.objects.filter(idempotency_key__in=keys)}
     key_effects: dict[str, int] = {}
-    for example in examples:
-        if key_of(example):
+    for example in run_examples:  # A key's other messages may be in an earlier batch.
+        if isinstance(example.task_id, str) and example.task_id in keys:
             key_effects[example.task_id] = key_effects.get(example.task_id, 0) + effects.get(example.label, 0)
     observations = []
     for example in examples:
@@ -338,7 +343,7 @@ class FuzzRig:
         self.batches += 1
         if not _settle(self.queue, self.workers, self.config.settle_timeout, self.stop):
             self.violations.append(f"batch {self.batches} did not settle: {self.queue.stats().as_dict()}")
-        return _observe(self.run, self.queue, batch, published, taken)
+        return _observe(self.run, self.queue, batch, published, taken, self.examples)
 
     def finish(self, observations: list[Observation]) -> list[str]:
         """Run-level checks: every worker alive (restarted if it had to be), the dead letters shown to ops."""
