@@ -185,3 +185,15 @@ def test_a_message_that_expired_before_it_ran_is_dead_lettered_not_acked(rig, ex
     observation, fate = one(rig, Mutation("header", "expires", expires))
     assert fate.violation == "" and observation.place == "dead", (fate, observation)
     assert observation.reason.startswith("expired: its expires"), observation.reason
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (queueapp, the commit-rule branch): a retries beyond the database's integers makes every "
+    "write of the verdict raise OverflowError; given back until max_deliveries, its reason names nothing",
+)
+def test_a_retries_header_beyond_the_database_s_integers_is_dead_lettered_naming_it(rig):
+    """Found by the fuzzer after the merges (``--fuzz 3000 --seed 11``): ``retries`` of 2**64."""
+    observation, fate = one(rig, Mutation("header", "retries", 2**64))
+    assert fate.violation == "", (fate, observation)
