@@ -4,7 +4,7 @@ Kombu's virtual-channel contract is a few hooks (``_put``, ``_get``,
 ``_size``, ``_purge``, ``_delete``, ``_new_queue``, ``_has_queue``) plus the
 QoS; each is overridden here to call :class:`~broker_ext.queue.FencedQueue`.
 The consume path (:mod:`broker_ext.consume`) keeps Kombu's BRPOP machinery,
-pointed at a per-queue signal list; ending deliveries is the QoS's
+blocking on a per-queue wake-up marker instead; ending deliveries is the QoS's
 (:mod:`broker_ext.qos`). Options are declared once, in
 :mod:`broker_ext.options`.
 """
@@ -24,9 +24,16 @@ from redis.retry import Retry
 
 from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
+from broker_ext.bindings import BindingCache
 from broker_ext.consume import Consuming, PendingClaim
 from broker_ext.errors import MessageTooLarge, Reply
-from broker_ext.messages import DEDUP_KEY_HEADER, DEDUP_WINDOW_HEADER, delay_ms_of, message_id_of
+from broker_ext.messages import (
+    DEDUP_KEY_HEADER,
+    DEDUP_WINDOW_HEADER,
+    delay_ms_of,
+    message_id_of,
+    publish_id_of,
+)
 from broker_ext.qos import FencedQoS
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
@@ -130,6 +137,7 @@ class Channel(Consuming, kombu_redis.Channel):
 
     def _queue_bind(self, exchange, routing_key, pattern, queue):
         """Kombu's, except that a full Redis does not stop a worker from starting and draining it."""
+        self.bindings.forget(exchange)
         try:
             super()._queue_bind(exchange, routing_key, pattern, queue)
         except redis.exceptions.OutOfMemoryError:
@@ -140,19 +148,39 @@ class Channel(Consuming, kombu_redis.Channel):
                 queue,
             )
 
+    @cached_property
+    def bindings(self) -> BindingCache:
+        return BindingCache(self.settings.binding_cache_ttl)
+
     def get_table(self, exchange):
-        """An exchange's bindings: read from Redis per publish, but once per exchange within a batch."""
+        """An exchange's bindings, as kept by :attr:`bindings` (and once per exchange within a batch)."""
         batch = self.routing_batch
-        if batch is None:
-            return super().get_table(exchange)
-        if exchange not in batch.tables:
-            batch.tables[exchange] = super().get_table(exchange)
-        return batch.tables[exchange]
+        if batch is not None and exchange in batch.tables:
+            return batch.tables[exchange]
+        table = self.bindings.table(exchange, lambda: super(Channel, self).get_table(exchange))
+        if batch is not None:
+            batch.tables[exchange] = table
+        return table
+
+    def _lookup(self, exchange, routing_key, default=None):
+        """Kombu's routing; a routing key no queue matches in a kept table reads the table again first."""
+        if exchange and self.bindings.kept(exchange):
+            try:
+                found = self.typeof(exchange).lookup(self.get_table(exchange), exchange, routing_key, None)
+            except KeyError:
+                found = None
+            if found:
+                return found
+            self.bindings.forget(exchange)
+            if self.routing_batch is not None:
+                self.routing_batch.tables.pop(exchange, None)
+        return super()._lookup(exchange, routing_key, default)
 
     # -- publish -------------------------------------------------------------------------
 
     def outgoing(self, message: dict) -> OutgoingMessage:
         """Turn a Kombu message into what the publish script stores, or refuse it."""
+        publish_id = publish_id_of(message)  # First: a retry of this publish stores the same payload.
         payload = dumps(message)
         size = len(payload.encode()) if isinstance(payload, str) else len(payload)
         limit = self.settings.max_message_size
@@ -171,6 +199,7 @@ class Channel(Consuming, kombu_redis.Channel):
             delay_ms=delay_ms_of(message),
             dedup_key=str(dedup_key) if dedup_key else None,
             dedup_window_ms=int(window * 1000) if dedup_key else 0,
+            publish_id=publish_id,
         )
 
     def _priority_of(self, message: dict) -> int:
@@ -199,6 +228,7 @@ class Channel(Consuming, kombu_redis.Channel):
     def _delete(self, queue, exchange, routing_key, pattern, *args, **kwargs):
         """Unbind the queue and delete its keys (Kombu's stock list keys do not exist here)."""
         self.auto_delete_queues.discard(queue)
+        self.bindings.forget(exchange)
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.conn_or_acquire(client=kwargs.get("client")) as client:
             client.srem(self.keyprefix_queue % (exchange,), member)

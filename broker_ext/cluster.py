@@ -10,8 +10,8 @@ differs from a single Redis:
   on different nodes, and redis-py refuses ``EVALSHA`` in cluster pipelines),
   so they are sent one by one; the calls of one queue were one script call
   already.
-* One BRPOP waits on keys of one slot only: a consumer waits on the signal
-  list of its *home* queue (the first it consumes), on the node that owns it,
+* One BZPOPMIN waits on keys of one slot only: a consumer waits on the
+  wake-up marker of its *home* queue (the first it consumes), on the node that owns it,
   and claims from every queue it consumes whenever it wakes, so a message on
   another queue waits at most ``brpop_timeout`` (1 s).
 * Fanout (remote control, events) is Redis pub/sub, which a cluster
@@ -124,20 +124,20 @@ class ClusterChannel(Channel):
         """Kombu's own pools (pub/sub) reach a node the cluster map lists, not necessarily the URL's."""
         return self._node_pool(self.fenced_client.get_default_node(), asynchronous=asynchronous)
 
-    # -- BRPOP on the home queue's node ---------------------------------------------------
+    # -- the blocking poll on the home queue's node ----------------------------------------
 
     def _home_node(self) -> ClusterNode:
         if self._home_queue is None:
             return self.fenced_client.get_default_node()
-        return self.fenced_client.get_node_from_key(self.fenced_queue(self._home_queue).keys.signal)
+        return self.fenced_client.get_node_from_key(self.fenced_queue(self._home_queue).keys.wake)
 
     @cached_property
     def client(self):
-        """The BRPOP client, connected to the node that owns the home queue's signal list."""
+        """The blocking poll's client, connected to the node that owns the home queue's wake-up marker."""
         return self.Client(connection_pool=self._node_pool(self._home_node(), asynchronous=True))
 
     def _move_home(self, queue: str | None) -> None:
-        """Wait on ``queue``'s signal from now on; reconnect the BRPOP client if its node differs."""
+        """Wait on ``queue``'s marker from now on; reconnect the poll's client if its node differs."""
         self._home_queue = queue
         client = self.__dict__.get("client")
         if client is None or queue is None:
@@ -145,7 +145,7 @@ class ClusterChannel(Channel):
         node, kwargs = self._home_node(), client.connection_pool.connection_kwargs
         if (kwargs.get("host"), kwargs.get("port")) != (node.host, node.port):
             del self.__dict__["client"]
-            client.connection_pool.disconnect()  # Unregisters it from the poller; a pending BRPOP is dropped.
+            client.connection_pool.disconnect()  # Unregisters it from the poller; a pending poll is dropped.
 
     def basic_consume(self, queue, no_ack, *args, **kwargs):
         if self._home_queue is None and queue not in self._fanout_queues:
@@ -162,7 +162,7 @@ class ClusterChannel(Channel):
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
         home = self._home_queue if self._home_queue in queues else queues[0]
-        return [self.fenced_queue(home).keys.signal]
+        return [self.fenced_queue(home).keys.wake]
 
     def _brpop_read(self, **options):
         try:

@@ -1,13 +1,16 @@
 """The consume path of the fenced channel: claims, the poll command, and handing deliveries over.
 
 Kombu's Redis machinery polls one command per channel on its event loop (a
-BRPOP, in the stock transport). Here the poll command is a BRPOP on the
-queues' signal lists while the queues look empty, and the claim itself while
+BRPOP, in the stock transport). Here the poll command is a BZPOPMIN on the
+queues' wake-up markers while the queues look empty (a publish sets its
+queue's marker, one blocked consumer takes it), and the claim itself while
 the last claim came back full (messages are waiting): then a busy consumer
 pays one round trip per claim, the QoS's buffered acks included, and the
 event loop never blocks on it. A claim made outside the poll (``basic_get``,
-a BRPOP wake-up) goes through :meth:`Consuming.claim`, synchronously, with
-the same acks. Ending deliveries (acks, rejects, give-backs) is the QoS's
+a wake-up) goes through :meth:`Consuming.claim`, synchronously, with the
+same acks; it sets the marker again while messages remain, for the next
+idle consumer (the claims of a busy consumer's poll do not: it claims again
+at once). Ending deliveries (acks, rejects, give-backs) is the QoS's
 (:mod:`broker_ext.qos`).
 """
 
@@ -95,7 +98,7 @@ class Consuming:
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
-        pending = self._claim_calls(queue, count, no_ack)
+        pending = self._claim_calls(queue, count, no_ack, wake_next=True)
         try:
             results = self.run_calls(pending.calls)
         except self.connection_errors:
@@ -103,11 +106,11 @@ class Consuming:
             raise
         return self._claimed_payloads(pending, results)
 
-    def _claim_calls(self, queue: str, count: int, no_ack: bool | None) -> PendingClaim:
+    def _claim_calls(self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool) -> PendingClaim:
         """The buffered acks (taken from the QoS) and a claim, as calls for one round trip."""
         if no_ack is None:
             no_ack = queue in self._no_ack_queues
-        claim = self.fenced_queue(queue).claim_call(count, no_ack=no_ack)
+        claim = self.fenced_queue(queue).claim_call(count, no_ack=no_ack, wake_next=wake_next)
         return PendingClaim(queue, count, self.qos.pending_acks(), claim)
 
     def _claimed_payloads(self, pending: PendingClaim, results: list) -> list[dict]:
@@ -119,7 +122,7 @@ class Consuming:
             claimed = []
         elif isinstance(claimed, Exception):
             raise claimed
-        # A full claim means more may be waiting: the next poll claims directly instead of a BRPOP.
+        # A full claim means more may be waiting: the next poll claims directly instead of blocking.
         self._more_ready = pending.queue if len(claimed) >= pending.count else None
         return [payload for payload in map(self._payload_of, claimed) if payload is not None]
 
@@ -193,11 +196,14 @@ class Consuming:
         return message
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
-        """The signal keys one BRPOP waits on for ``queues``."""
-        return [self.fenced_queue(queue).keys.signal for queue in queues]
+        """The wake-up markers one BZPOPMIN waits on for ``queues``."""
+        return [self.fenced_queue(queue).keys.wake for queue in queues]
 
     def _brpop_start(self, timeout=None):
-        """Send the poll command: a claim when the last one came back full, else a BRPOP on the signals."""
+        """Send the poll command: a claim when the last one came back full, else a BZPOPMIN on the markers.
+
+        (Kombu's names for the poll stay: ``_brpop_start``, ``_brpop_read``, the ``BRPOP`` poll type.)
+        """
         if timeout is None:
             timeout = self.brpop_timeout
         queues = self._queue_cycle.consume(len(self.active_queues))
@@ -207,11 +213,11 @@ class Consuming:
         self._in_poll = connection
         self._brpop_sent_at = kombu_redis.monotonic()
         if self.pipelines_scripts and self._more_ready in queues:
-            self._polled_claim = self._claim_calls(self._more_ready, self._credit(), None)
+            self._polled_claim = self._claim_calls(self._more_ready, self._credit(), None, wake_next=False)
             commands = [command_of(call) for call in self._polled_claim.calls]
             connection.send_packed_command(connection.pack_commands(commands))
             return
-        connection.send_command("BRPOP", *self.brpop_keys(queues), timeout or 0)
+        connection.send_command("BZPOPMIN", *self.brpop_keys(queues), timeout or 0)
 
     def _read_polled_claim(self, pending: PendingClaim, **options) -> bool:
         """Read the replies of a claim sent as the poll command and deliver what it claimed."""
@@ -260,7 +266,7 @@ class Consuming:
             if pending is not None:
                 return self._read_polled_claim(pending, **options)
             try:
-                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                reply = self.client.parse_response(self.client.connection, "BZPOPMIN", **options)
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
@@ -268,12 +274,12 @@ class Consuming:
                 if not is_transient(exc):  # e.g. a failover turned this Redis into a replica
                     raise
                 self.client.connection.disconnect()
-                raise RedisUnavailable(f"BRPOP: {exc}") from None
+                raise RedisUnavailable(f"BZPOPMIN: {exc}") from None
             if self._closing:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken = queue_of_key(bytes_to_str(reply[0]), "signal")
+                woken = queue_of_key(bytes_to_str(reply[0]), "wake")
                 self._queue_cycle.rotate(woken)
                 if woken in queues and self.claim_and_deliver([woken]):
                     return True

@@ -26,8 +26,10 @@ class Reply(IntEnum):
     DUPLICATE = 3
     DEDUPLICATED = 4
     DEAD_LETTERED = 5
+    ADOPTED = 6
     NOT_FOUND = -1
     STALE = -2
+    NOT_DUE = -3
 
 
 class FencedError(Exception):

@@ -17,15 +17,17 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:reasons`` hash    message id -> why it was dead-lettered (JSON)
 ``fenced:{T}:done``    zset    acked ids -> acked at (publish dedup window)
 ``fenced:{T}:acks``    hash    acked ids -> "token|claim" of the delivery that acked it
-``fenced:{T}:seq``     string  per-queue sequence for FIFO order within a priority
-``fenced:{T}:signal``  list    wake-up tokens for blocked consumers (capped)
-``fenced:{T}:stats``   hash    counters: published, duplicates, deduplicated, ...
+``fenced:{T}:counters`` string the sequence (FIFO within a priority) and the counters, 64 bits each
+``fenced:{T}:wake``    zset    the wake-up marker idle consumers block on (one member)
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
 ``fenced:{T}:requeues`` list   recent deliveries their consumer gave back, and why (capped, JSON)
+``fenced:{T}:adopted`` hash    stock publish id -> moved at ms: messages moved over from stock Kombu
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
 ``fenced:{T}:claim:R`` string  the ids claim R leased, for a resent claim (expires)
 ``fenced:consumers``   hash    consumer id -> what its lease keeper last reported (JSON)
+``fenced:adopting``    hash    on a stock Redis: messages taken out of its queues, not yet stored
+                               in their fenced queue on another server (JSON [queue, publish id] -> payload)
 =====================  ======  ==================================================
 
 An empty queue name is refused: its tag would be ``{}``, which Redis ignores
@@ -105,15 +107,21 @@ class QueueKeys:
         return self._key("acks")
 
     @cached_property
+    def counters(self) -> str:
+        return self._key("counters")
+
+    @cached_property
     def seq(self) -> str:
+        """The sequence of an earlier version (a string): read once, when the queue's counters start."""
         return self._key("seq")
 
     @cached_property
-    def signal(self) -> str:
-        return self._key("signal")
+    def wake(self) -> str:
+        return self._key("wake")
 
     @cached_property
     def stats(self) -> str:
+        """The counters of an earlier version (a hash): ``queue_stats`` adds them in."""
         return self._key("stats")
 
     @cached_property
@@ -127,6 +135,14 @@ class QueueKeys:
     @cached_property
     def requeues(self) -> str:
         return self._key("requeues")
+
+    @cached_property
+    def adopted(self) -> str:
+        return self._key("adopted")
+
+    def retired(self) -> list[str]:
+        """Keys earlier versions wrote that this one no longer does (a queue's delete removes them)."""
+        return [self._key("signal"), self.seq, self.stats]
 
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")
@@ -146,18 +162,23 @@ class QueueKeys:
             self.reasons,
             self.done,
             self.acks,
-            self.seq,
-            self.signal,
-            self.stats,
+            self.counters,
+            self.wake,
             self.dedups,
             self.reclaims,
             self.requeues,
+            self.adopted,
         ]
 
 
 def consumers_key(prefix: str = "") -> str:
     """The hash where lease keepers report the consumers they keep alive (one key, not per queue)."""
     return f"{prefix}{PREFIX}:consumers"
+
+
+def adopting_key(prefix: str = "") -> str:
+    """The journal of a move from stock Kombu, on the stock Redis (:mod:`broker_ext.adoption`)."""
+    return f"{prefix}{PREFIX}:adopting"
 
 
 def unescape_tag(tag: str) -> str:

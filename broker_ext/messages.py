@@ -1,7 +1,8 @@
 """What the fenced transport reads from a Kombu message and what it stamps on a delivery.
 
-A publish is identified by :func:`message_id_of` (the id publishes are
-idempotent on) and delayed by :func:`delay_ms_of`. A claimed delivery carries
+A message is identified by :func:`message_id_of`, a publish by
+:func:`publish_id_of` (together they make a publish idempotent), and a
+message is delayed by :func:`delay_ms_of`. A claimed delivery carries
 its fencing token, claim id and count in the message properties (in a Celery
 task: ``self.request.properties``); :func:`stamp` writes them and
 :func:`delivery_of` reads them back, once, into the
@@ -11,6 +12,8 @@ queueapp hands back to defer it.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from datetime import UTC, datetime
 
 from broker_ext.records import Delivery
@@ -25,6 +28,11 @@ FENCED_MESSAGE_ID = "fenced_message_id"
 #: Message headers a publisher may set to deduplicate logically equal publishes.
 DEDUP_KEY_HEADER = "fenced_dedup_key"
 DEDUP_WINDOW_HEADER = "fenced_dedup_window"
+#: The header (or property) naming one publish: set by the caller for a publish that must stay
+#: idempotent across processes (the outbox relay), else by the channel, once per ``Producer.publish``.
+PUBLISH_ID = "fenced_publish_id"
+#: What separates a message id from the number of a message stored beside a live one of that id.
+BESIDE = "~"
 
 
 def task_message_id(task_id: str, retries: int) -> str:
@@ -32,9 +40,17 @@ def task_message_id(task_id: str, retries: int) -> str:
     return f"{task_id}.{retries}"
 
 
+def published_id(stored_id: str) -> str:
+    """The message id a message was published with: a message stored beside a live one of its id
+    (``<id>~<n>``, see :attr:`~broker_ext.records.OutgoingMessage.publish_id`) drops its ``~<n>``."""
+    stem, separator, number = stored_id.rpartition(BESIDE)
+    return stem if stem and separator and number.isdigit() else stored_id
+
+
 def split_task_message_id(message_id: str) -> tuple[str, int]:
-    """``(task id, retry number)`` of a :func:`task_message_id`; ``(message_id, 0)`` for any other id."""
-    stem, _, suffix = message_id.rpartition(".")
+    """``(task id, retry number)`` of a :func:`task_message_id` (stored beside another or not);
+    ``(message_id, 0)`` for any other id."""
+    stem, _, suffix = published_id(message_id).rpartition(".")
     return (stem, int(suffix)) if stem and suffix.isdigit() else (message_id, 0)
 
 
@@ -54,6 +70,39 @@ def message_id_of(message: dict) -> str:
         return f"{message_id}.r{nesting}" if nesting else message_id
     properties = message.get("properties") or {}
     return str(properties.get("message_id") or properties["delivery_tag"])
+
+
+def new_publish_id() -> str:
+    """A publish id for one publish call: random, 64 bits (it only has to differ from the other
+    publishes of the same message id)."""
+    return secrets.token_hex(8)
+
+
+def derived_publish_id(kind: str, *parts: str) -> str:
+    """A publish id derived from what is published, for a publisher that must stay idempotent across
+    runs and processes: the same ``kind`` and ``parts`` (an outbox row, a stock message moved, an
+    operator's republish) always give the same id, so publishing it again is a resend."""
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+    return f"{kind}:{digest}"
+
+
+def publish_id_of(message: dict) -> str:
+    """The publish id of a Kombu message about to be stored, given it once if it has none.
+
+    A caller's own (header or property :data:`PUBLISH_ID`) wins. Otherwise
+    one is set on the message's properties: Kombu's ``Producer.publish``
+    passes the same properties dict to every ``ensure()`` retry of its
+    ``_publish`` (and always puts ``delivery_mode`` in it, so the virtual
+    channel keeps that dict rather than a new empty one), so a retry of
+    one call finds the id the first attempt set, while a new
+    ``Producer.publish`` (a new ``apply_async``) builds new properties.
+    """
+    headers = message.get("headers") or {}
+    properties = message.setdefault("properties", {})
+    given = headers.get(PUBLISH_ID) or properties.get(PUBLISH_ID)
+    if given:
+        return str(given)
+    return properties.setdefault(PUBLISH_ID, new_publish_id())
 
 
 def delay_ms_of(message: dict) -> int:
@@ -105,6 +154,10 @@ def stamp(payload: dict, delivery: Delivery) -> None:
     ``redelivered`` header.
     """
     properties = payload["properties"]
+    # A publish id names one publish call: a consumer that publishes what it received makes a new one.
+    properties.pop(PUBLISH_ID, None)
+    if isinstance(payload.get("headers"), dict):
+        payload["headers"].pop(PUBLISH_ID, None)
     properties["delivery_tag"] = f"{delivery.message_id}#{delivery.token}.{delivery.claim}"
     properties[FENCE_TOKEN] = delivery.token
     properties[FENCE_CLAIM] = delivery.claim

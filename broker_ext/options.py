@@ -106,7 +106,6 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         "a larger publish raises MessageTooLarge, a larger stored one is dead-lettered on delivery",
         kind="count",
     ),
-    Option("signal_cap", 64, "", "longest the wake-up list grows", kind="count"),
     Option(
         "ack_flush_interval",
         0.05,
@@ -115,6 +114,14 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         kind="non_negative",
     ),
     Option("ack_batch_size", 100, "", "buffered acks that are sent at once", kind="count"),
+    Option(
+        "binding_cache_ttl",
+        5.0,
+        "s",
+        "how long a publisher routes by an exchange's bindings it read (read again sooner when a "
+        "routing key finds no queue, or the channel binds itself; 0: read on every publish, as redis://)",
+        kind="non_negative",
+    ),
     Option(
         "command_retries",
         None,
@@ -193,7 +200,11 @@ KOMBU_OPTIONS: dict[str, KombuOption] = {
         KombuOption(
             "deadletter_queue", "honoured", "Kombu's own (unused by Celery); fenced has a dead set per queue"
         ),
-        KombuOption("polling_interval", "honoured", "the BRPOP timeout of an idle consumer, as redis://"),
+        KombuOption(
+            "polling_interval",
+            "honoured",
+            "how long an idle consumer blocks before it claims anyway (redis://: the BRPOP timeout)",
+        ),
         KombuOption("sentinel_fanout_compat", "refused", "fenced:// on Sentinel has one fanout behaviour"),
     )
 }
@@ -207,7 +218,6 @@ class QueueOptions:
     max_deliveries: int = 5
     max_interruptions: int = 10
     done_window_ms: int = 60_000
-    signal_cap: int = 64
     claim_request_ttl_ms: int = 60_000
     promote_limit: int = 100
     reclaim_limit: int = 100
@@ -226,6 +236,7 @@ class TransportSettings:
     max_message_size: int
     ack_flush_interval: float
     ack_batch_size: int
+    binding_cache_ttl: float = 0.0
     queue: QueueOptions = field(default_factory=QueueOptions)
 
 
@@ -288,12 +299,12 @@ def resolve(values: Callable[[str], Any]) -> TransportSettings:
         max_message_size=int(values("max_message_size")),
         ack_flush_interval=float(values("ack_flush_interval")),
         ack_batch_size=int(values("ack_batch_size")),
+        binding_cache_ttl=float(values("binding_cache_ttl")),
         queue=QueueOptions(
             lease_ms=int(lease * 1000),
             max_deliveries=int(values("max_deliveries")),
             max_interruptions=int(values("max_interruptions")),
             done_window_ms=int(float(values("publish_dedup_window")) * 1000),
-            signal_cap=int(values("signal_cap")),
         ),
     )
 

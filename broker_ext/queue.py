@@ -19,8 +19,10 @@ import redis
 
 from broker_ext.errors import Reply
 from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
+from broker_ext.messages import BESIDE
 from broker_ext.options import QueueOptions
 from broker_ext.records import (
+    AdoptedMessage,
     Claimed,
     DeadLetter,
     DedupEntry,
@@ -32,6 +34,7 @@ from broker_ext.records import (
     ReclaimEntry,
     ReclaimResult,
     RequeueEntry,
+    StockSource,
     StoredState,
 )
 from broker_ext.scripts import SCRIPT_KEYS, ScriptCall, Scripts, register, run_call
@@ -48,6 +51,11 @@ def _triples(deliveries: Iterable[Delivery]) -> list[str]:
     for delivery in deliveries:
         args += [delivery.message_id, str(delivery.token), delivery.claim]
     return args
+
+
+def _adopted_fields(message: OutgoingMessage) -> list:
+    """What the adopt scripts take of a message: its id, payload, priority and delay."""
+    return [message.message_id, message.payload, message.priority, message.delay_ms]
 
 
 def _replies(reply: list) -> list[Reply]:
@@ -120,21 +128,58 @@ class FencedQueue:
     # -- publish -------------------------------------------------------------------------
 
     def publish_call(self, messages: Sequence[OutgoingMessage]) -> ScriptCall:
-        args: list = [self.options.signal_cap, self.options.ttl_ms]
+        args: list = [self.options.ttl_ms]
         for message in messages:
             window = message.dedup_window_ms if message.dedup_key else 0
+            publish_id = message.publish_id or message.message_id
             args += [message.message_id, message.payload, message.priority, message.delay_ms, window]
+            args.append(publish_id)
         dedup_keys = [self.keys.dedup(message.dedup_key or "") for message in messages]
         return self._call("publish", args, dedup=dedup_keys)
 
     def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
-        """Store messages (idempotent on id); one reply per message."""
+        """Store messages (idempotent on each one's publish id); one reply per message.
+
+        ``DUPLICATE``: that publish id was already stored for that message id
+        (it is live, or was acked within ``publish_dedup_window``); nothing was
+        written. A new publish id for a live message id is stored beside it
+        under ``<message id>~<n>`` (``OK``).
+        """
         return self.run(self.publish_call(messages))
+
+    # -- adoption from stock Kombu (broker_ext.adoption) ---------------------------------------
+
+    def adopt(self, messages: Sequence[AdoptedMessage], ledger_ttl_ms: int) -> list[Reply]:
+        """Store messages moved over from stock Kombu, once per stock publish id; one reply each."""
+        args: list = [self.options.ttl_ms, ledger_ttl_ms]
+        for adopted in messages:
+            args += [adopted.publish_id, *_adopted_fields(adopted.message)]
+        return self.run(self._call("adopt", args))
+
+    def adopt_local(
+        self, source: StockSource, messages: Sequence[AdoptedMessage], *, max_age_ms: int, ledger_ttl_ms: int
+    ) -> list[Reply]:
+        """Take messages out of stock keys of this same Redis and store them, each in one atomic step.
+
+        An unacked entry is taken only ``max_age_ms`` after its delivery (-1: at any age).
+        """
+        args: list = [self.options.ttl_ms, ledger_ttl_ms, source.where, max_age_ms]
+        for adopted in messages:
+            args += [adopted.source, adopted.publish_id, *_adopted_fields(adopted.message)]
+        stock = {"unacked": source.unacked, "unacked_index": source.unacked_index, "list": source.list_key}
+        return self.run(self._call("adopt_local", args, **stock))
 
     # -- consume -------------------------------------------------------------------------
 
-    def claim_call(self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None) -> ScriptCall:
-        """A claim of up to ``count`` messages; a resent call with the same ``claim_id`` answers the same."""
+    def claim_call(
+        self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
+    ) -> ScriptCall:
+        """A claim of up to ``count`` messages; a resent call with the same ``claim_id`` answers the same.
+
+        ``wake_next``: while messages remain ready, set the queue's wake-up
+        marker for the next idle consumer (a busy consumer that claims again
+        at once passes ``False``).
+        """
         claim_id = claim_id or new_claim_id()
         o = self.options
         args = [
@@ -148,6 +193,7 @@ class FencedQueue:
             o.max_interruptions,
             o.reclaim_limit,
             o.ttl_ms,
+            int(wake_next),
         ]
 
         def decode(reply: list) -> list[Claimed]:
@@ -163,9 +209,11 @@ class FencedQueue:
 
         return self._call("claim", args, decode, request=self.keys.claim_request(claim_id))
 
-    def claim(self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None) -> list[Claimed]:
+    def claim(
+        self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
+    ) -> list[Claimed]:
         """Lease up to ``count`` ready messages (reclaiming expired leases and promoting due delays first)."""
-        return self.run(self.claim_call(count, no_ack=no_ack, claim_id=claim_id))
+        return self.run(self.claim_call(count, no_ack=no_ack, claim_id=claim_id, wake_next=wake_next))
 
     def ack_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
         return self._call("ack", [self.options.done_window_ms, self.options.ttl_ms, *_triples(deliveries)])
@@ -199,7 +247,7 @@ class FencedQueue:
         dead-letter reason of a message out of deliveries.
         """
         o = self.options
-        args = [o.max_deliveries, int(counted), delay_ms, token_floor, o.signal_cap, reason, o.ttl_ms]
+        args = [o.max_deliveries, int(counted), delay_ms, token_floor, reason, o.ttl_ms]
         replies = self.run(self._call("requeue", [*args, *_triples(deliveries)]))
         why = f"{reason or 'rejected'}: out of deliveries (max_deliveries {o.max_deliveries})"
         self._announce(_dead_lettered([d.message_id for d in deliveries], replies, why))
@@ -223,7 +271,7 @@ class FencedQueue:
 
     def reclaim_call(self, limit: int = 1000) -> ScriptCall:
         o = self.options
-        args = [o.max_deliveries, o.max_interruptions, limit, o.signal_cap, o.lease_ms, o.ttl_ms]
+        args = [o.max_deliveries, o.max_interruptions, limit, o.lease_ms, o.ttl_ms]
 
         def decode(reply: list) -> ReclaimResult:
             result = ReclaimResult(int(reply[0]), _reasons(reply[2:]))
@@ -265,7 +313,7 @@ class FencedQueue:
             delivery = (seen or {}).get(message_id)
             triples += _triples([delivery]) if delivery is not None else [message_id, "*", "*"]
         o = self.options
-        return self.run(self._call("revive", [int(reset_deliveries), o.signal_cap, o.ttl_ms, *triples]))
+        return self.run(self._call("revive", [int(reset_deliveries), o.ttl_ms, *triples]))
 
     def purge(self, batch: int = 1000) -> int:
         """Delete every ready message; returns how many."""
@@ -300,11 +348,25 @@ class FencedQueue:
         """Where this queue holds each message, in one pipelined round trip; read-only.
 
         A message whose state record is gone is :attr:`Place.ABSENT`; otherwise
-        the sorted set it sits in decides.
+        the sorted set it sits in decides. An id that is gone (acked) while a
+        later publish of the same id is stored beside it (``<id>~<n>``) is
+        answered with that one, so a lookup by task id still finds the task's
+        message (one more round trip, only then).
         """
         ids = list(dict.fromkeys(message_ids))
         if not ids:
             return {}
+        found, beside = self._locate(ids)
+        if beside:
+            later = self._locate([stored for stored_ids in beside.values() for stored in stored_ids])[0]
+            for message_id, stored_ids in beside.items():
+                live = [later[stored] for stored in stored_ids if later[stored].in_broker]
+                if live:
+                    found[message_id] = live[0]
+        return found
+
+    def _locate(self, ids: list[str]) -> tuple[dict[str, MessageState], dict[str, list[str]]]:
+        """:meth:`locate` of ``ids`` as stored, and the ids stored beside each one that is gone."""
         k = self.keys
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
@@ -312,13 +374,18 @@ class FencedQueue:
         pipe.hmget(k.reasons, ids)
         for zset in (k.leases, k.dead, k.delayed, k.ready):
             pipe.zmscore(zset, ids)
-        now, states, reasons, leases, dead, delayed, ready = pipe.execute()
+        pipe.hmget(k.acks, ids)
+        now, states, reasons, leases, dead, delayed, ready, acked = pipe.execute()
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         found: dict[str, MessageState] = {}
+        beside: dict[str, list[str]] = {}
         for i, message_id in enumerate(ids):
             state = StoredState.parse(states[i])
             if state is None:
                 found[message_id] = MessageState(self.name, message_id, Place.ABSENT, server_now_ms=now_ms)
+                stored_beside = stored_beside_of(message_id, _acked_publish_ids(acked[i]))
+                if stored_beside:
+                    beside[message_id] = stored_beside
                 continue
             place, score = Place.READY, None
             for candidate, scores in ((Place.LEASED, leases), (Place.DEAD, dead), (Place.DELAYED, delayed)):
@@ -341,7 +408,7 @@ class FencedQueue:
                 state.charged,
                 state.interrupted,
             )
-        return found
+        return found, beside
 
     def payloads(self, message_ids: Sequence[str]) -> list[bytes | None]:
         """The stored Kombu payloads of ``message_ids`` (``None`` where there is none), in order."""
@@ -362,6 +429,11 @@ class FencedQueue:
         """Ids in the dead-letter set, oldest first (all of them without ``limit``)."""
         end = -1 if limit is None else limit - 1
         return [_text(i) for i in self.client.zrange(self.keys.dead, 0, end)]
+
+    def delayed_ids(self, limit: int) -> list[tuple[str, int]]:
+        """Delayed ids with their due time (server ms), soonest first."""
+        entries = self.client.zrange(self.keys.delayed, 0, limit - 1, withscores=True)
+        return [(_text(message_id), int(score)) for message_id, score in entries]
 
     def _ids_scored_upto(self, key: str, upto_ms: int, limit: int) -> list[str]:
         return [_text(i) for i in self.client.zrange(key, "-inf", upto_ms, byscore=True, offset=0, num=limit)]
@@ -467,8 +539,8 @@ class FencedQueue:
         return bool(self.client.exists(k.ready, k.delayed, k.leases, k.bodies))
 
     def delete(self) -> None:
-        """Remove every key of the queue (``queue_delete``)."""
-        self.client.delete(*self.keys.all_static())
+        """Remove every key of the queue (``queue_delete``), those of earlier versions too."""
+        self.client.delete(*self.keys.all_static(), *self.keys.retired())
 
     def touch(self, ttl_ms: int) -> None:
         """Push the expiry of every key of a queue declared with ``x-expires`` (kept alive while used)."""
@@ -489,26 +561,42 @@ def _json_object(raw: bytes | str | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _acked_publish_ids(raw: bytes | str | None) -> str:
+    """The publish ids in an ``acks`` record ("token|claim|publish ids"; older records have none)."""
+    parts = _text(raw).split("|", 2) if raw else []
+    return parts[2] if len(parts) == 3 else ""
+
+
+def stored_beside_of(message_id: str, publish_ids: str) -> list[str]:
+    """The ids that later publishes of ``message_id`` were stored under, from its publish ids list
+    (``lua/include/publish_ids.lua``: an entry ``P~n`` went to ``<message id>~n``)."""
+    entries = [entry.partition(BESIDE) for entry in publish_ids.split(",")]
+    return [f"{message_id}{BESIDE}{number}" for _, separator, number in entries if separator]
+
+
 def _reason_of(raw: bytes | str | None) -> str:
     """The reason text of a stored dead-letter record (older records were plain text)."""
     return str(_json_object(raw).get("reason", "")) or (_text(raw) if raw else "")
 
 
 def scan_queue_names(client, *, prefix: str = "", limit: int = 10_000, batch: int = 1000) -> set[str]:
-    """Names of the fenced queues in Redis (a ``stats`` hash each), looking at no more than ``limit`` keys.
+    """Names of the fenced queues in Redis (a ``counters`` key each, or an earlier version's ``stats``),
+    looking at no more than ``limit`` keys per kind.
 
     Bounded, so that a big Redis stays cheap to ask.
     """
-    pattern = key_pattern("stats", prefix)
     names: set[str] = set()
-    cursor, examined = 0, 0
-    while examined < limit:
-        cursor, keys = client.scan(cursor, match=pattern, count=min(batch, limit - examined))
-        examined += batch
-        for key in keys:
-            name = queue_of_key(_text(key), "stats")
-            if name is not None:
-                names.add(name)
-        if cursor == 0:
-            break
+    for kind in ("counters", "stats"):
+        cursor, examined = 0, 0
+        while examined < limit:
+            cursor, keys = client.scan(
+                cursor, match=key_pattern(kind, prefix), count=min(batch, limit - examined)
+            )
+            examined += batch
+            for key in keys:
+                name = queue_of_key(_text(key), kind)
+                if name is not None:
+                    names.add(name)
+            if cursor == 0:
+                break
     return names

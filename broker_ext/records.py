@@ -38,7 +38,18 @@ class Claimed:
 
 @dataclass(frozen=True)
 class OutgoingMessage:
-    """A message to publish; ``dedup_key`` deduplicates logically equal publishes."""
+    """A message to publish; ``dedup_key`` deduplicates logically equal publishes.
+
+    ``publish_id`` names the publish: sending the same message with the same
+    publish id again (a retry after a lost reply, a relay or migration run
+    again) is stored once, while a publish of a known ``message_id`` with
+    another publish id is a new message, stored and delivered (as the stock
+    transport does with a task id used twice). Callers that must stay
+    idempotent across restarts pass one derived from what they publish (an
+    outbox row, a stock message); without one, the message id is the publish
+    id, so the message id alone makes the publish idempotent. At most 128
+    letters, digits or ``_.:@/+=-``.
+    """
 
     message_id: str
     payload: str | bytes
@@ -46,6 +57,45 @@ class OutgoingMessage:
     delay_ms: int = 0
     dedup_key: str | None = None
     dedup_window_ms: int = 0
+    publish_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StockSource:
+    """Where stock Kombu's Redis transport keeps the entries a move takes: one queue list, or ``unacked``.
+
+    Full key names, global key prefix included, as the stock channel names them.
+    """
+
+    unacked: str
+    unacked_index: str
+    list: str = ""  # the queue list the entries are in; "" for delivery tags of the unacked hash
+
+    @property
+    def where(self) -> str:
+        return "list" if self.list else "unacked"
+
+    @property
+    def list_key(self) -> str:
+        """A key for the scripts' list role: the queue list, or (unused then) the unacked index."""
+        return self.list or self.unacked_index
+
+
+@dataclass(frozen=True)
+class AdoptedMessage:
+    """A message moved over from stock Kombu: stored once per stock publish id (``adopt.lua``).
+
+    ``message.publish_id`` is the stock message's (:func:`broker_ext.adoption.publish_id_of`);
+    ``source`` is the stock list element or the delivery tag it is taken from;
+    a ``message.payload`` of ``""`` stores the list element itself.
+    """
+
+    message: OutgoingMessage
+    source: str | bytes = ""
+
+    @property
+    def publish_id(self) -> str:
+        return self.message.publish_id or self.message.message_id
 
 
 @dataclass(frozen=True)
@@ -252,6 +302,8 @@ class StoredState:
     queued_ms: int
     first_deadline_ms: int = 0
     claim: str = ""
+    #: The publishes of this message id, as ``lua/include/publish_ids.lua`` lists them.
+    publish_ids: str = ""
 
     @classmethod
     def parse(cls, text: bytes | str | None) -> StoredState | None:
@@ -260,12 +312,14 @@ class StoredState:
             return None
         parts = (text.decode() if isinstance(text, bytes) else text).split("|")
         if (
-            len(parts) == 8
+            len(parts) in (8, 9)
             and all(part.isdigit() for part in parts[:7])
             and (parts[7].isalnum() or not parts[7])
         ):
             token, deliveries, charged, interrupted, priority, queued, deadline = (int(p) for p in parts[:7])
-            return cls(token, deliveries, charged, interrupted, priority, queued, deadline, parts[7])
+            claim, publish_ids = parts[7], parts[8] if len(parts) == 9 else ""
+            fields = (token, deliveries, charged, interrupted, priority, queued, deadline)
+            return cls(*fields, claim, publish_ids)
         if len(parts) == 4 and all(part.isdigit() for part in parts):
             token, deliveries, priority, queued = (int(p) for p in parts)
             return cls(token, deliveries, deliveries, 0, priority, queued)

@@ -38,9 +38,13 @@ from broker_ext.errors import RedisFull, RedisUnavailable, ScriptRefused
 
 LUA_DIR = Path(__file__).with_name("lua")
 #: Each script's KEYS in order, by role: a :class:`~broker_ext.keys.QueueKeys` attribute, or a
-#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last).
+#: per-call key (``request``: the claim's request key; ``dedup``: one per published message, last;
+#: ``journal``, ``unacked``, ``unacked_index``, ``list``: keys of a stock Kombu Redis, see
+#: :mod:`broker_ext.adoption`).
+#: The keys of a queue a publish writes (publish.lua, and the adopt scripts that publish too).
+_PUBLISHING = ("bodies", "state", "ready", "delayed", "seq", "done", "wake", "counters", "dedups", "acks")
 SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
-    "publish": ("bodies", "state", "ready", "delayed", "seq", "done", "signal", "stats", "dedups", "dedup"),
+    "publish": (*_PUBLISHING, "dedup"),
     "claim": (
         "ready",
         "delayed",
@@ -48,14 +52,14 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "bodies",
         "state",
         "seq",
-        "stats",
+        "counters",
         "request",
         "dead",
         "reasons",
-        "signal",
+        "wake",
         "reclaims",
     ),
-    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "stats"),
+    "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "counters"),
     "extend": ("leases", "state", "ready", "delayed"),
     "requeue": (
         "leases",
@@ -63,18 +67,21 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "ready",
         "delayed",
         "seq",
-        "signal",
-        "stats",
+        "wake",
+        "counters",
         "dead",
         "reasons",
         "requeues",
     ),
-    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "stats"),
-    "reclaim": ("leases", "state", "ready", "seq", "signal", "stats", "dead", "reasons", "reclaims"),
-    "revive": ("dead", "reasons", "state", "ready", "seq", "signal", "stats", "leases", "delayed"),
-    "purge": ("ready", "bodies", "state", "stats"),
-    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats"),
+    "dead_letter": ("leases", "state", "ready", "delayed", "dead", "reasons", "counters"),
+    "reclaim": ("leases", "state", "ready", "seq", "wake", "counters", "dead", "reasons", "reclaims"),
+    "revive": ("dead", "reasons", "state", "ready", "seq", "wake", "counters", "leases", "delayed"),
+    "purge": ("ready", "bodies", "state", "counters"),
+    "queue_stats": ("ready", "delayed", "leases", "dead", "state", "stats", "counters"),
     "report_consumer": ("consumers",),
+    "adopt": (*_PUBLISHING, "adopted"),
+    "adopt_local": (*_PUBLISHING, "adopted", "unacked", "unacked_index", "list"),
+    "adopt_take": ("journal", "unacked", "unacked_index", "list"),
 }
 SCRIPT_NAMES = tuple(SCRIPT_KEYS)
 INCLUDE = re.compile(r'^--- @include "(?P<name>\w+)"$', re.MULTILINE)
@@ -148,6 +155,9 @@ class Scripts:
     purge: Script
     queue_stats: Script
     report_consumer: Script
+    adopt: Script
+    adopt_local: Script
+    adopt_take: Script
 
 
 def register(client) -> Scripts:
@@ -157,13 +167,27 @@ def register(client) -> Scripts:
 
 @dataclass(frozen=True)
 class ScriptCall:
-    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply."""
+    """One script invocation on one queue: the script, its KEYS and ARGV, and how to read its reply.
+
+    Every argument is text, bytes or an ``int``, checked here, where every call
+    is built: redis-py would send a float as ``"-0.0"`` or ``"1e+16"`` and a
+    script would have to guess what was meant. Scripts take only canonical
+    integers too (``lua/include/arg_int.lua``).
+    """
 
     queue: str
     script: Script
     keys: list[str]
     args: list
     decode: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        for position, value in enumerate(self.args, start=1):
+            if not isinstance(value, str | bytes | int) or isinstance(value, bool):
+                raise ScriptRefused(
+                    f"queue {self.queue!r}: FENCED BADARG ARGV[{position}] must be an int or text, "
+                    f"not {value!r} ({type(value).__name__}); nothing sent"
+                )
 
 
 def command_of(call: ScriptCall) -> tuple:

@@ -3,7 +3,7 @@
 As with ``cluster=True``, the URL's hosts are not the Redis that holds the
 queues: they are the sentinels (``fenced://s1:26379;fenced://s2:26379``), and
 ``master_name`` names the master they watch. Every connection (script calls,
-the BRPOP poll, pub/sub) goes through redis-py's Sentinel-managed pools, as
+the blocking poll, pub/sub) goes through redis-py's Sentinel-managed pools, as
 Kombu's ``sentinel://`` transport does: a connection asks the sentinels where
 the master is when it connects, and again after the master failed (a lost
 connection, or ``READONLY`` from a demoted master), so the channel follows a

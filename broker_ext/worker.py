@@ -17,7 +17,8 @@ Two behaviours of Celery's own consumer fight the transport's guarantees:
 
 It also names this process's consumers after the Celery node (``w1@host``) in
 the registry the lease keepers write, so the admin's Workers view and the
-delivery log speak of the same worker.
+delivery log speak of the same worker, and its ``inspect scheduled`` lists the
+delayed messages of its queues (:mod:`broker_ext.control`).
 
 Everything else is Celery's consumer unchanged.
 """
@@ -33,6 +34,7 @@ from celery.worker import state
 from celery.worker.consumer import Consumer as CeleryConsumer
 from celery.worker.request import Request as CeleryRequest
 
+from broker_ext import control  # noqa: F401  (registers the worker's ``inspect scheduled``)
 from broker_ext.consumers import set_process_name
 from broker_ext.qos import FencedQoS
 

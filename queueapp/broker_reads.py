@@ -15,7 +15,11 @@ into an HTTP 500:
 * the first failure is remembered per broker address: for ``2 *
   OPS_BROKER_TIMEOUT`` after a failed attempt the next reads fail at once
   (a page with five broker columns waits once, not five times), and the
-  message says since when the broker has been unreachable.
+  message says since when the broker has been unreachable: since the first
+  of a run of failed attempts, each within ``OUTAGE_GAP_FACTOR *
+  OPS_BROKER_TIMEOUT`` of the one before. A successful read ends the
+  outage; so does a gap longer than that, since nothing says Redis stayed
+  unreachable through it (it may have recovered and failed again).
 
 A worker's deferral does not use this: it keeps retrying through the app's
 pool (:func:`queueapp.broker.fenced_channel`).
@@ -40,7 +44,7 @@ from django.db import DatabaseError
 from kombu.exceptions import OperationalError
 
 from broker_ext.queue import scan_queue_names
-from queueapp import conf
+from queueapp import conf, times
 from queueapp.errors import BrokerUnavailable
 from queueapp.large_tables import DISTINCT_LIMIT, distinct_values
 from queueapp.models import TaskOutcome
@@ -68,12 +72,15 @@ class Outage:
 
     def error(self) -> BrokerUnavailable:
         return BrokerUnavailable(
-            f"Redis at {self.address} unreachable since {self.since:%Y-%m-%d %H:%M:%S} UTC ({self.reason})",
+            f"Redis at {self.address} unreachable since {times.moment_with_zone(self.since)} ({self.reason})",
             address=self.address,
             since=self.since,
             timeout=self.timeout,
         )
 
+
+#: A failed attempt more than this many ``OPS_BROKER_TIMEOUT`` after the previous one starts a new outage.
+OUTAGE_GAP_FACTOR = 10
 
 _outages: dict[str, Outage] = {}
 _outages_lock = threading.Lock()
@@ -101,12 +108,13 @@ def current_outage(address: str) -> Outage | None:
 def _remember_failure(address: str, exc: BaseException) -> Outage:
     reason = _describe(exc)
     timeout = broker_timeout() if _timed_out(exc) else None
+    now = time.monotonic()
     with _outages_lock:
         outage = _outages.get(address)
-        if outage is None:
-            outage = _outages[address] = Outage(address, datetime.now(UTC), reason, time.monotonic(), timeout)
+        if outage is None or now - outage.last_attempt > OUTAGE_GAP_FACTOR * broker_timeout():
+            outage = _outages[address] = Outage(address, datetime.now(UTC), reason, now, timeout)
         else:
-            outage.reason, outage.last_attempt, outage.timeout = reason, time.monotonic(), timeout
+            outage.reason, outage.last_attempt, outage.timeout = reason, now, timeout
     return outage
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from queueapp import times
+
 
 class QueueappError(Exception):
     """Root of queueapp's exceptions."""
@@ -59,5 +61,5 @@ class BrokerUnavailable(QueueappError):
         """The line a management command ends with: "did not answer in N s" for a hung Redis."""
         if self.timeout is None or not self.address:
             return str(self)
-        since = f" (unreachable since {self.since:%Y-%m-%d %H:%M:%S} UTC)" if self.since else ""
+        since = f" (unreachable since {times.moment_with_zone(self.since)})" if self.since else ""
         return f"Redis at {self.address} did not answer in {self.timeout:g} s{since}"

@@ -16,6 +16,8 @@ from django.db import models
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
+from queueapp import times
+
 
 class NonNegativeIntegerField(models.IntegerField):
     """An integer validated to be at least 0 in Python, with no ``CHECK`` constraint in the database.
@@ -296,7 +298,7 @@ class OperatorAction(models.Model):
         indexes = [models.Index(fields=["outcome", "-at"], name="queueapp_action_outcome_idx")]
 
     def __str__(self) -> str:
-        return f"{self.action} by {self.actor or 'an operator'} ({self.at:%Y-%m-%d %H:%M:%S})"
+        return f"{self.action} by {self.actor or 'an operator'} ({times.moment(self.at)})"
 
     @property
     def by(self) -> str:

@@ -7,11 +7,12 @@ If Redis is unreachable then, the row stays *pending* and a relay publishes
 it later: the worker-side relay thread (:mod:`queueapp.worker_threads`) or
 ``manage.py relay_outbox``.
 
-Relaying is idempotent: each row carries a fixed Celery task id, and the
-fenced:// transport's publish is idempotent on ``<task id>.<retries>``, so a
-row published twice (a relay crashed before marking it sent, or two relays
-raced) is stored once. Past the transport's dedup window, the idempotency
-record still makes the second copy a suppressed duplicate.
+Relaying is idempotent: each row is published with a publish id of its own
+(:func:`publish_id_of_row`, the fenced:// transport's ``fenced_publish_id``
+header), so a row published twice (a relay crashed before marking it sent,
+or two relays raced) is stored once: the transport takes the second publish
+for a resend of the first. Past the transport's dedup window, the
+idempotency record still makes the second copy a suppressed duplicate.
 
 Rows are taken by a conditional update (a short claim), never by a lock held
 while talking to Redis, so a relay waiting on a dead Redis blocks no writer.
@@ -33,6 +34,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from broker_ext.messages import PUBLISH_ID
 from queueapp import conf, queued
 from queueapp.decorators import policy_of
 from queueapp.errors import IdempotencyKeyError, OutboxError
@@ -150,13 +152,19 @@ def _take(pk: int, now: datetime) -> OutboxMessage | None:
     return OutboxMessage.objects.using(db).get(pk=pk)
 
 
+def publish_id_of_row(row: OutboxMessage) -> str:
+    """The publish id of an outbox row: the same for every relay of that row, unlike any other row's."""
+    return f"outbox:{row.pk}"
+
+
 def _publish(app, connection, row: OutboxMessage) -> None:
     options = dict(row.options)
     for name in ("eta", "expires"):
         if isinstance(options.get(name), str):
             options[name] = parse_datetime(options[name])
+    options["headers"] = {**(options.get("headers") or {}), PUBLISH_ID: publish_id_of_row(row)}
     if row.idempotency_key:
-        options["headers"] = {**(options.get("headers") or {}), RECORDED_HEADER: True}
+        options["headers"][RECORDED_HEADER] = True
     app.send_task(
         row.task_name,
         args=row.args,

@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from datetime import UTC, timedelta
 
 from django.db import DatabaseError
 from django.db.models import Count
+from django.db.models.functions import TruncMinute
+from django.utils import timezone
 
 from queueapp import conf
 from queueapp.broker_reads import bounded_channel, queue_names
@@ -34,6 +37,7 @@ COUNTERS = ("published", "claimed", "acked", "dead_lettered")
 #: Per queue, from the delivery log: cumulative suppressed duplicates, stale refusals.
 VERDICTS = ("suppressed", "stale")
 EMPTY = [0] * (len(DEPTHS) + len(COUNTERS))
+Verdict = TaskDelivery.Verdict
 
 #: Windows the Charts page offers, in seconds.
 WINDOWS = {"hour": 3600, "day": 86400}
@@ -216,6 +220,42 @@ def build_series(
 def read_series(app, window: str = "hour", queue: str | None = None) -> Series:
     """What the Charts page draws. Raises :class:`~queueapp.errors.BrokerUnavailable` when Redis is out."""
     return build_series(read_samples(app, WINDOWS[window]), window=window, queue=queue)
+
+
+def absorbed_from_database(window: str = "hour", queue: str | None = None, *, now=None) -> Series:
+    """What the database alone can draw (the Charts page while Redis cannot be read).
+
+    Suppressed duplicates and stale commits refused per minute, counted from the
+    delivery log by the minute each delivery started, over the window in
+    buckets of at most 360 points; the depths and the broker's rates stay
+    unknown. Raises ``DatabaseError``.
+    """
+    span = WINDOWS[window]
+    bucket = max(60, math.ceil(span / 360 / 60) * 60)
+    now = now or timezone.now()
+    start = now - timedelta(seconds=span)
+    first = int(start.timestamp()) // bucket * bucket
+    rows = TaskDelivery.objects.using(conf.get("DATABASE")).filter(
+        started_at__gte=start, verdict__in=[Verdict.SUPPRESSED_DUPLICATE, Verdict.REFUSED_STALE]
+    )
+    if queue:
+        rows = rows.filter(queue=queue)
+    counts = (
+        rows.annotate(minute=TruncMinute("started_at", tzinfo=UTC))
+        .values("minute", "verdict")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+    t = list(range(first, int(now.timestamp()) + 1, bucket))
+    columns = {verdict: [0.0] * len(t) for verdict in VERDICTS}
+    names = {Verdict.SUPPRESSED_DUPLICATE: "suppressed", Verdict.REFUSED_STALE: "stale"}
+    for row in counts:
+        index = (int(row["minute"].timestamp()) - first) // bucket
+        if 0 <= index < len(t):
+            columns[names[row["verdict"]]][index] += row["n"] * 60 / bucket
+    series = Series(window, queue, t=[float(moment) for moment in t])
+    series.absorbed = columns
+    return series
 
 
 def sample_periodically(app) -> None:

@@ -14,10 +14,11 @@ KEYS[1] leases   zset
 KEYS[2] state    hash
 KEYS[3] bodies   hash
 KEYS[4] done     zset  acked id -> acked at ms
-KEYS[5] acks     hash  acked id -> "token|claim" of the delivery that acked it
+KEYS[5] acks     hash  acked id -> "token|claim|publish ids": the delivery that acked it, and the
+                       publishes of its id (lua/include/publish_ids.lua), which a resend still meets
 KEYS[6] ready    zset
 KEYS[7] delayed  zset
-KEYS[8] stats    hash
+KEYS[8] counters string  (lua/include/counters.lua)
 
 ARGV[1] done window ms (0: keep no record of acked ids)
 ARGV[2] queue ttl ms (0: the queue does not expire)
@@ -34,8 +35,9 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "arg_int"
 --- @include "server_time"
 --- @include "state"
+--- @include "counters"
 --- @include "keep_expiry"
-local leases, state, bodies, done, acks, ready, delayed, stats =
+local leases, state, bodies, done, acks, ready, delayed, counters =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 if #KEYS ~= 8 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
   error({err = 'FENCED BADARG ack needs 8 keys, a window, a ttl and id/token/claim triples'})
@@ -43,7 +45,7 @@ end
 local window = arg_int(ARGV[1], 'done window', 0, 1e12)
 local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
 check_types({{leases, 'zset'}, {state, 'hash'}, {bodies, 'hash'}, {done, 'zset'}, {acks, 'hash'},
-             {ready, 'zset'}, {delayed, 'zset'}, {stats, 'hash'}})
+             {ready, 'zset'}, {delayed, 'zset'}, {counters, 'string'}})
 
 -- Read and check every message before the first write.
 local found = {}
@@ -66,7 +68,7 @@ for i = 3, #ARGV, 3 do
     local by = redis.call('HGET', acks, id)
     if not by then
       replies[#replies + 1] = -1
-    elseif by == token .. '|' .. claim then
+    elseif string.match(by, '^[^|]*|[^|]*') == token .. '|' .. claim then
       replies[#replies + 1] = 2
     else
       replies[#replies + 1] = -2
@@ -81,7 +83,7 @@ for i = 3, #ARGV, 3 do
     redis.call('HDEL', bodies, id)
     if window > 0 then
       redis.call('ZADD', done, now_ms, id)
-      redis.call('HSET', acks, id, token .. '|' .. claim)
+      redis.call('HSET', acks, id, token .. '|' .. claim .. '|' .. s.publish_ids)
     end
     replies[#replies + 1] = 1
     acked = acked + 1
@@ -97,6 +99,6 @@ if acked > 0 then
     end
     keep_expiry(ttl, {done, acks})
   end
-  redis.call('HINCRBY', stats, 'acked', acked)
+  add_counts(counters, {acked = acked})
 end
 return replies

@@ -23,9 +23,10 @@ set with the reason, for an operator to look at.
 With no_ack = 1 the messages are removed at once (consumers that never ack,
 such as remote-control reply queues).
 
-Consumers block on the signal list, and a publish pushes one wake-up per
-message but keeps at most a few: so while ready messages remain after this
-claim, the claim leaves a wake-up in the list for the next consumer.
+Idle consumers block on the queue's wake-up marker (BZPOPMIN), which a
+publish sets and one consumer takes: so while ready messages remain after
+this claim, the claim sets it again for the next consumer (ARGV[11]: not
+when its consumer claims again at once anyway, the poll of a busy one).
 
 Each step reads and checks first, then writes only what passed.
 
@@ -34,18 +35,19 @@ KEYS[2]  delayed   zset
 KEYS[3]  leases    zset
 KEYS[4]  bodies    hash
 KEYS[5]  state     hash
-KEYS[6]  seq       string
-KEYS[7]  stats     hash
+KEYS[6]  seq       string  the sequence an earlier version kept (read once, when the counters start)
+KEYS[7]  counters  string  the sequence and the counters (lua/include/counters.lua)
 KEYS[8]  request   string  ids this claim leased, for a resent claim (expires)
 KEYS[9]  dead      zset
 KEYS[10] reasons   hash
-KEYS[11] signal    list
+KEYS[11] wake      zset
 KEYS[12] reclaims  list
 
 ARGV[1] count (>= 1)   ARGV[2] lease ms   ARGV[3] claim id (letters and digits)
 ARGV[4] request ttl ms   ARGV[5] no_ack (0/1)   ARGV[6] most delayed messages to promote
 ARGV[7] max deliveries   ARGV[8] max interruptions   ARGV[9] most expired leases to reclaim
 ARGV[10] queue ttl ms (0: the queue does not expire; else every key's expiry is pushed)
+ARGV[11] wake the next consumer when messages remain ready (0/1)
 
 Reply: {deliveries, dead}: deliveries is a flat array, four entries per delivery (id, token,
 deliveries, payload); dead is a flat array of (id, reason) set aside by this call.
@@ -57,11 +59,12 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --- @include "state"
 --- @include "set_dead"
 --- @include "ready"
+--- @include "wake"
 --- @include "reclaim_expired"
 --- @include "keep_expiry"
-local ready, delayed, leases, bodies, state, seq, stats, request, dead, reasons, signal, reclaims =
+local ready, delayed, leases, bodies, state, seq, counters, request, dead, reasons, wake_key, reclaims =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-if #KEYS ~= 12 or #ARGV ~= 10 then error({err = 'FENCED BADARG claim needs 12 keys and 10 arguments'}) end
+if #KEYS ~= 12 or #ARGV ~= 11 then error({err = 'FENCED BADARG claim needs 12 keys and 11 arguments'}) end
 local count = arg_int(ARGV[1], 'count', 1, 100000)
 local lease = arg_int(ARGV[2], 'lease ms', 1, 1e12)
 local claim_id = ARGV[3]
@@ -71,6 +74,7 @@ local promote = arg_int(ARGV[6], 'promote limit', 0, 100000)
 local limits = {arg_int(ARGV[7], 'max deliveries', 1, 1e9), arg_int(ARGV[8], 'max interruptions', 1, 1e9)}
 local reclaim_limit = arg_int(ARGV[9], 'reclaim limit', 0, 100000)
 local ttl = arg_int(ARGV[10], 'queue ttl', 0, 1e12)
+local wake_next = arg_int(ARGV[11], 'wake next', 0, 1) == 1
 if not string.match(claim_id, '^%w+$') then error({err = 'FENCED BADARG claim id must be letters and digits'}) end
 
 local now_ms, now_us = server_time()
@@ -93,7 +97,7 @@ if previous then
 end
 
 local function touch_queue()
-  keep_expiry(ttl, {ready, delayed, leases, bodies, state, seq, stats, dead, reasons, signal, reclaims})
+  keep_expiry(ttl, {ready, delayed, leases, bodies, state, counters, dead, reasons, wake_key, reclaims})
 end
 
 -- An idle queue (what every consumer polls for, once a second) costs these reads and nothing more.
@@ -105,14 +109,14 @@ if #due == 0 and not expiring and redis.call('ZCARD', ready) == 0 then
   return {out, dead_out}
 end
 check_types({{ready, 'zset'}, {delayed, 'zset'}, {leases, 'zset'}, {bodies, 'hash'}, {state, 'hash'},
-             {seq, 'string'}, {stats, 'hash'}, {request, 'string'}, {dead, 'zset'}, {reasons, 'hash'},
-             {signal, 'list'}, {reclaims, 'list'}})
+             {counters, 'string'}, {request, 'string'}, {dead, 'zset'}, {reasons, 'hash'},
+             {wake_key, 'zset'}, {reclaims, 'list'}})
 
 -- Expired leases back to ready (or dead), before anything is taken.
 local reclaimed = {reclaimed = 0, strays = 0, interrupted = 0, dead = {}}
 if expiring then
-  local k = {leases = leases, state = state, ready = ready, seq = seq, dead = dead, reasons = reasons,
-             reclaims = reclaims}
+  local k = {leases = leases, state = state, ready = ready, counters = counters, seq = seq, dead = dead,
+             reasons = reasons, reclaims = reclaims}
   reclaimed = reclaim_expired(k, now_ms, now_us, reclaim_limit, lease, limits)
   for _, v in ipairs(reclaimed.dead) do dead_out[#dead_out + 1] = v end
 end
@@ -123,7 +127,7 @@ for i, id in ipairs(due) do due_states[i] = parse_state(redis.call('HGET', state
 for i, id in ipairs(due) do
   redis.call('ZREM', delayed, id)
   if due_states[i] then
-    make_ready(ready, seq, id, due_states[i].priority, false)
+    make_ready(ready, counters, seq, id, due_states[i].priority, false)
   else
     local reason = 'undeliverable: missing or corrupt state'
     redis.call('HSET', state, id, string.format('%.0f', now_us) .. '|0|0|0|0|' .. now_ms .. '|0|')
@@ -176,18 +180,14 @@ for i, id in ipairs(peeked) do
     dead_out[#dead_out + 1] = reason
   end
 end
-if (#peeked > 0 or reclaimed.reclaimed > 0) and redis.call('LLEN', signal) == 0
-    and redis.call('ZCARD', ready) > 0 then
-  redis.call('LPUSH', signal, '1')
+if wake_next and (#peeked > 0 or reclaimed.reclaimed > 0) and redis.call('ZCARD', ready) > 0 then
+  wake(wake_key)
 end
 if #leased > 0 and request_ttl > 0 then
   local keep = ttl > 0 and math.min(request_ttl, ttl) or request_ttl
   redis.call('SET', request, table.concat(leased, '\n'), 'PX', keep)
 end
-if #out > 0 then redis.call('HINCRBY', stats, 'claimed', #out / 4) end
-if #dead_out > 0 then redis.call('HINCRBY', stats, 'dead_lettered', #dead_out / 2) end
-if reclaimed.reclaimed > 0 then redis.call('HINCRBY', stats, 'reclaimed', reclaimed.reclaimed) end
-if reclaimed.interrupted > 0 then redis.call('HINCRBY', stats, 'interrupted', reclaimed.interrupted) end
-if reclaimed.strays > 0 then redis.call('HINCRBY', stats, 'stray_leases_removed', reclaimed.strays) end
+add_counts(counters, {claimed = #out / 4, dead_lettered = #dead_out / 2, reclaimed = reclaimed.reclaimed,
+                      interrupted = reclaimed.interrupted, stray_leases_removed = reclaimed.strays})
 touch_queue()
 return {out, dead_out}

@@ -13,7 +13,7 @@ KEYS[3] ready    zset
 KEYS[4] delayed  zset
 KEYS[5] dead     zset
 KEYS[6] reasons  hash
-KEYS[7] stats    hash
+KEYS[7] counters string  (lua/include/counters.lua)
 
 ARGV[1] reason (text)
 ARGV[2] queue ttl ms (0: the queue does not expire)
@@ -30,8 +30,9 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "server_time"
 --- @include "state"
 --- @include "set_dead"
+--- @include "counters"
 --- @include "keep_expiry"
-local leases, state, ready, delayed, dead, reasons, stats =
+local leases, state, ready, delayed, dead, reasons, counters =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 if #KEYS ~= 7 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
   error({err = 'FENCED BADARG dead_letter needs 7 keys, a reason, a ttl and id/token/claim triples'})
@@ -39,7 +40,7 @@ end
 local reason = ARGV[1]
 local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
 check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {dead, 'zset'},
-             {reasons, 'hash'}, {stats, 'hash'}})
+             {reasons, 'hash'}, {counters, 'string'}})
 
 -- Read and check every message before the first write.
 local found = {}
@@ -72,7 +73,7 @@ for i = 3, #ARGV, 3 do
   end
 end
 if moved > 0 then
-  redis.call('HINCRBY', stats, 'dead_lettered', moved)
-  keep_expiry(ttl, {state, dead, reasons, stats})
+  add_counts(counters, {dead_lettered = moved})
+  keep_expiry(ttl, {state, dead, reasons, counters})
 end
 return replies

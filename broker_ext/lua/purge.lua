@@ -6,7 +6,7 @@ dead messages are left alone.
 KEYS[1] ready   zset
 KEYS[2] bodies  hash
 KEYS[3] state   hash
-KEYS[4] stats   hash
+KEYS[4] counters string  (lua/include/counters.lua)
 
 ARGV[1] limit (messages per call; call again while the reply equals it)
 
@@ -15,10 +15,11 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>".
 --]]
 --- @include "check_types"
 --- @include "arg_int"
-local ready, bodies, state, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+--- @include "counters"
+local ready, bodies, state, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if #KEYS ~= 4 or #ARGV ~= 1 then error({err = 'FENCED BADARG purge needs 4 keys and a limit'}) end
 local limit = arg_int(ARGV[1], 'limit', 1, 100000)
-check_types({{ready, 'zset'}, {bodies, 'hash'}, {state, 'hash'}, {stats, 'hash'}})
+check_types({{ready, 'zset'}, {bodies, 'hash'}, {state, 'hash'}, {counters, 'string'}})
 
 local popped = redis.call('ZPOPMIN', ready, limit)
 for i = 1, #popped, 2 do
@@ -26,5 +27,5 @@ for i = 1, #popped, 2 do
   redis.call('HDEL', state, popped[i])
 end
 local purged = #popped / 2
-if purged > 0 then redis.call('HINCRBY', stats, 'purged', purged) end
+add_counts(counters, {purged = purged})
 return purged

@@ -27,18 +27,18 @@ KEYS[1] leases   zset
 KEYS[2] state    hash
 KEYS[3] ready    zset
 KEYS[4] delayed  zset
-KEYS[5] seq      string
-KEYS[6] signal   list
-KEYS[7] stats    hash
+KEYS[5] seq      string  the sequence an earlier version kept (read once, when the counters start)
+KEYS[6] wake     zset
+KEYS[7] counters string  (lua/include/counters.lua)
 KEYS[8] dead     zset
 KEYS[9] reasons  hash
 KEYS[10] requeues list
 
 ARGV[1] max deliveries   ARGV[2] count the delivery (0/1)   ARGV[3] delay ms
-ARGV[4] token floor (0: none)   ARGV[5] signal cap
-ARGV[6] why the delivery is given back, for the dead-letter reason ('': rejected by the consumer)
-ARGV[7] queue ttl ms (0: the queue does not expire)
-ARGV[8..] triples: id, token, claim
+ARGV[4] token floor (0: none)
+ARGV[5] why the delivery is given back, for the dead-letter reason ('': rejected by the consumer)
+ARGV[6] queue ttl ms (0: the queue does not expire)
+ARGV[7..] triples: id, token, claim
 
 Reply: one integer per triple:
    1 OK             requeued (ready, or delayed by ARGV[3]), or a resent call
@@ -55,24 +55,23 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "wake"
 --- @include "set_dead"
 --- @include "keep_expiry"
-local leases, state, ready, delayed, seq, signal, stats, dead, reasons, requeues =
+local leases, state, ready, delayed, seq, wake_key, counters, dead, reasons, requeues =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-if #KEYS ~= 10 or #ARGV < 10 or (#ARGV - 7) % 3 ~= 0 then
-  error({err = 'FENCED BADARG requeue needs 10 keys, 5 numbers, a reason, a ttl and id/token/claim triples'})
+if #KEYS ~= 10 or #ARGV < 9 or (#ARGV - 6) % 3 ~= 0 then
+  error({err = 'FENCED BADARG requeue needs 10 keys, 4 numbers, a reason, a ttl and id/token/claim triples'})
 end
 local max_deliveries = arg_int(ARGV[1], 'max deliveries', 1, 1e9)
 local counted = arg_int(ARGV[2], 'counted', 0, 1) == 1
 local delay = arg_int(ARGV[3], 'delay ms', 0, 1e12)
 local floor = arg_int(ARGV[4], 'token floor', 0, 2 ^ 53)
-local signal_cap = arg_int(ARGV[5], 'signal cap', 1, 1e6)
-local why = ARGV[6] ~= '' and ARGV[6] or 'rejected'
-local ttl = arg_int(ARGV[7], 'queue ttl', 0, 1e12)
-check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'}, {seq, 'string'},
-             {signal, 'list'}, {stats, 'hash'}, {dead, 'zset'}, {reasons, 'hash'}, {requeues, 'list'}})
+local why = ARGV[5] ~= '' and ARGV[5] or 'rejected'
+local ttl = arg_int(ARGV[6], 'queue ttl', 0, 1e12)
+check_types({{leases, 'zset'}, {state, 'hash'}, {ready, 'zset'}, {delayed, 'zset'},
+             {wake_key, 'zset'}, {counters, 'string'}, {dead, 'zset'}, {reasons, 'hash'}, {requeues, 'list'}})
 
 -- Read and check every message before the first write.
 local found = {}
-for i = 8, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   arg_int(ARGV[i + 1], 'token of ' .. ARGV[i], 0, 2 ^ 53)
   local raw = redis.call('HGET', state, ARGV[i])
   found[i] = raw and parse_state(raw) or false
@@ -81,7 +80,7 @@ end
 
 local now_ms = server_time()
 local replies, requeued, moved = {}, 0, 0
-for i = 8, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   local id, token, claim = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
   local s = found[i]
   if not s then
@@ -97,7 +96,7 @@ for i = 8, #ARGV, 3 do
   else
     redis.call('LPUSH', requeues, cjson.encode({id = id, token = string.format('%.0f', s.token), claim = s.claim,
       deliveries = s.deliveries, counted = counted, delay_ms = delay, floor = string.format('%.0f', floor),
-      reason = ARGV[6], at_ms = now_ms}))
+      reason = ARGV[5], at_ms = now_ms}))
     s.token = math.max(s.token + 1, floor)
     if counted then s.charged = s.charged + 1 end
     redis.call('ZREM', leases, id)
@@ -112,8 +111,8 @@ for i = 8, #ARGV, 3 do
       if delay > 0 then
         redis.call('ZADD', delayed, now_ms + delay, id)
       else
-        make_ready(ready, seq, id, s.priority, not counted)
-        wake(signal, signal_cap)
+        make_ready(ready, counters, seq, id, s.priority, not counted)
+        wake(wake_key)
       end
       replies[#replies + 1] = 1
       requeued = requeued + 1
@@ -121,10 +120,9 @@ for i = 8, #ARGV, 3 do
     redis.call('HSET', state, id, format_state(s))
   end
 end
-if requeued > 0 then redis.call('HINCRBY', stats, 'requeued', requeued) end
-if moved > 0 then redis.call('HINCRBY', stats, 'dead_lettered', moved) end
+add_counts(counters, {requeued = requeued, dead_lettered = moved})
 if requeued + moved > 0 then
   redis.call('LTRIM', requeues, 0, 999)
-  keep_expiry(ttl, {state, ready, delayed, seq, signal, stats, dead, reasons, requeues})
+  keep_expiry(ttl, {state, ready, delayed, wake_key, counters, dead, reasons, requeues})
 end
 return replies

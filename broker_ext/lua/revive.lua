@@ -17,14 +17,14 @@ KEYS[1] dead     zset
 KEYS[2] reasons  hash
 KEYS[3] state    hash
 KEYS[4] ready    zset
-KEYS[5] seq      string
-KEYS[6] signal   list
-KEYS[7] stats    hash
+KEYS[5] seq      string  the sequence an earlier version kept (read once, when the counters start)
+KEYS[6] wake     zset
+KEYS[7] counters string  (lua/include/counters.lua)
 KEYS[8] leases   zset
 KEYS[9] delayed  zset
 
-ARGV[1] reset deliveries (0/1)   ARGV[2] signal cap   ARGV[3] queue ttl ms (0: the queue does not expire)
-ARGV[4..] triples: id, token, claim (or "*", "*")
+ARGV[1] reset deliveries (0/1)   ARGV[2] queue ttl ms (0: the queue does not expire)
+ARGV[3..] triples: id, token, claim (or "*", "*")
 
 Reply: one integer per triple: 1 OK, -1 NOT_FOUND, -2 STALE (held by a consumer, or the delivery moved on).
 Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
@@ -35,19 +35,18 @@ Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FEN
 --- @include "ready"
 --- @include "wake"
 --- @include "keep_expiry"
-local dead, reasons, state, ready, seq, signal, stats, leases, delayed =
+local dead, reasons, state, ready, seq, wake_key, counters, leases, delayed =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-if #KEYS ~= 9 or #ARGV < 6 or (#ARGV - 3) % 3 ~= 0 then
-  error({err = 'FENCED BADARG revive needs 9 keys, a reset flag, a signal cap, a ttl and id/token/claim triples'})
+if #KEYS ~= 9 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
+  error({err = 'FENCED BADARG revive needs 9 keys, a reset flag, a ttl and id/token/claim triples'})
 end
 local reset = arg_int(ARGV[1], 'reset', 0, 1) == 1
-local signal_cap = arg_int(ARGV[2], 'signal cap', 1, 1e6)
-local ttl = arg_int(ARGV[3], 'queue ttl', 0, 1e12)
-check_types({{dead, 'zset'}, {reasons, 'hash'}, {state, 'hash'}, {ready, 'zset'}, {seq, 'string'},
-             {signal, 'list'}, {stats, 'hash'}, {leases, 'zset'}, {delayed, 'zset'}})
+local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
+check_types({{dead, 'zset'}, {reasons, 'hash'}, {state, 'hash'}, {ready, 'zset'},
+             {wake_key, 'zset'}, {counters, 'string'}, {leases, 'zset'}, {delayed, 'zset'}})
 
 local found = {}
-for i = 4, #ARGV, 3 do
+for i = 3, #ARGV, 3 do
   if ARGV[i + 1] ~= '*' then arg_int(ARGV[i + 1], 'token of ' .. ARGV[i], 0, 2 ^ 53) end
   local raw = redis.call('HGET', state, ARGV[i])
   found[i] = raw and parse_state(raw) or false
@@ -55,7 +54,7 @@ for i = 4, #ARGV, 3 do
 end
 
 local replies, revived = {}, 0
-for i = 4, #ARGV, 3 do
+for i = 3, #ARGV, 3 do
   local id, token, claim = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local s = found[i]
   if not s then
@@ -73,14 +72,14 @@ for i = 4, #ARGV, 3 do
     redis.call('ZREM', leases, id)
     redis.call('ZREM', delayed, id)
     redis.call('HSET', state, id, format_state(s))
-    make_ready(ready, seq, id, s.priority, true)
+    make_ready(ready, counters, seq, id, s.priority, true)
     replies[#replies + 1] = 1
     revived = revived + 1
   end
 end
 if revived > 0 then
-  wake(signal, signal_cap)
-  redis.call('HINCRBY', stats, 'revived', revived)
-  keep_expiry(ttl, {state, ready, seq, signal, stats})
+  wake(wake_key)
+  add_counts(counters, {revived = revived})
+  keep_expiry(ttl, {state, ready, wake_key, counters})
 end
 return replies

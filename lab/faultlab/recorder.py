@@ -16,14 +16,16 @@ import re
 from collections import Counter
 
 from broker_ext.keys import QueueKeys
+from broker_ext.messages import split_task_message_id
+from broker_ext.queue import FencedQueue
 from lab.faultlab.history import RedisEnd
 
 _TASK_ID_IN_RAW = re.compile(rb'"faultlab": "([^"]+)"')
 
 
 def task_id_of_message(message_id: str) -> str:
-    """fenced:// message ids are ``<task id>.<retries>``."""
-    return message_id.rsplit(".", 1)[0]
+    """fenced:// message ids are ``<task id>.<retries>`` (``~<n>`` added for one stored beside another)."""
+    return split_task_message_id(message_id)[0]
 
 
 def _text(value: bytes | str) -> str:
@@ -44,8 +46,7 @@ def fenced_end(client, queues: list[str]) -> RedisEnd:
         pipe.hkeys(keys.bodies)
         pipe.hkeys(keys.state)
         pipe.hgetall(keys.reasons)
-        pipe.hgetall(keys.stats)
-        ready, leased, delayed, dead_ids, bodies, states, reasons, stats = pipe.execute()
+        ready, leased, delayed, dead_ids, bodies, states, reasons = pipe.execute()
         members = {
             "ready": {_text(i) for i in ready},
             "leased": {_text(i) for i in leased},
@@ -63,7 +64,7 @@ def fenced_end(client, queues: list[str]) -> RedisEnd:
             dead[task_id_of_message(_text(message_id))] = str(text)
         for message_id in members["dead"]:
             dead.setdefault(task_id_of_message(message_id), "")
-        counters.update({_text(name): int(value) for name, value in stats.items()})
+        counters.update(FencedQueue(client, queue).stats().counters)
     return RedisEnd(
         ready=frozenset(places["ready"]),
         leased=frozenset(places["leased"]),

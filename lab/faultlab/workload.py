@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from django.db import connections
 from kombu import Connection
 
+from broker_ext.messages import PUBLISH_ID, derived_publish_id
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from lab.faultlab.history import PublishedTask
@@ -93,7 +94,12 @@ class Publisher:
         countdown: float | None = None,
         connection: Connection | None = None,
     ) -> PublishedTask:
-        """Publish one task, retrying with the same task id until Redis confirms it (bounded)."""
+        """Publish one task, retrying with the same task id until Redis confirms it (bounded).
+
+        Every attempt is the same publish (one publish id per task): fenced://
+        stores a retry of a publish whose reply was lost once, as it stores
+        Kombu's own retries; a new publish id would make it a second message.
+        """
         task_id = self.task_id(label)
         attempts, pause, accepted = 0, 0.05, False
         while not accepted:
@@ -133,6 +139,7 @@ class Publisher:
             # Through the app's own pool, Celery's publish retry is on, as users have it;
             # through a given connection (the pool burst) every error surfaces here.
             retry=connection is None,
+            headers={PUBLISH_ID: derived_publish_id("faultlab", task_id)},
         )
 
     @contextmanager

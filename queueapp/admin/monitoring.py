@@ -13,9 +13,11 @@ from the series of :mod:`queueapp.series`, embedded in the page as JSON.
 from __future__ import annotations
 
 from django.core.exceptions import PermissionDenied
+from django.db import DatabaseError
 from django.utils.translation import gettext as _
 
 from queueapp import conf, series
+from queueapp.broker_reads import known_queues
 from queueapp.errors import BrokerUnavailable
 from queueapp.ops import workers
 
@@ -30,11 +32,16 @@ class MonitoringPagesMixin:
         if window not in series.WINDOWS:
             window = "hour"
         queue = request.GET.get("queue") or None
-        data, error = None, ""
+        data, error, database_error = None, "", ""
         try:
             data = series.read_series(self.celery_app(), window, queue)
         except BrokerUnavailable as exc:
             error = str(exc)
+            try:
+                data = series.absorbed_from_database(window, queue)  # what the database alone knows
+                data.queues = known_queues(self.celery_app())
+            except DatabaseError as db_exc:
+                database_error = f"{type(db_exc).__name__}: {db_exc}"
         return self._page(
             request,
             "charts.html",
@@ -47,6 +54,7 @@ class MonitoringPagesMixin:
             queues=data.queues if data is not None else [],
             interval=conf.get("SERIES_INTERVAL"),
             broker_error=error,
+            database_error=database_error,
         )
 
     def workers_view(self, request):

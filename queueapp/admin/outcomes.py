@@ -14,13 +14,14 @@ from celery import current_app
 from django.contrib import admin
 from django.contrib.admin import helpers
 from django.core.serializers.json import DjangoJSONEncoder
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 
 from broker_ext.records import Place
+from queueapp import times
 from queueapp.admin.changelists import LargeTableAdmin
+from queueapp.admin.columns import described_form, end_shortened, key_cell, moment_column
 from queueapp.admin.confirm import run_or_confirm
 from queueapp.admin.detail import OutcomeDetailMixin
 from queueapp.admin.filters import DuplicatesFilter, QueueFilter, StuckFilter, TaskFilter
@@ -35,24 +36,23 @@ from queueapp.ops.reports import broker_states, message_id_of
 
 Status = TaskOutcome.Status
 
-#: Characters of a key and of an error the changelist shows (the full value is in the cell's title).
-KEY_CHARS = 24
+#: Characters of an error's first line the changelist shows (the whole error is in the cell's title).
 ERROR_CHARS = 48
-
-
-def _shortened(text: str, length: int, *, title: str | None = None) -> str:
-    shown = text if len(text) <= length else text[: length - 1] + "\u2026"
-    return format_html('<span title="{}">{}</span>', title if title is not None else text, shown)
+#: Statuses whose message the broker should still hold: the changelist shows where it is.
+OPEN = (Status.QUEUED, Status.RUNNING)
 
 
 def broker_truth(outcome: TaskOutcome, state) -> tuple[str, str, str] | None:
     """``(css class, label, why)`` when the broker contradicts the row's open status, else ``None``.
 
     A *queued* or *running* row whose message the broker dead-lettered is
-    *dead-lettered* (the reconciliation pass will say so in the row too); a
-    *running* row whose lease expired without being reclaimed says so.
+    *dead-lettered* (the reconciliation pass will say so in the row too); one
+    whose lease expired without being reclaimed says *lease expired* (its
+    worker died, before or after its claim reached the database); a *queued*
+    row whose message a live worker holds is *running* (a held delivery
+    commits its claim with its verdict, see docs/guarantees.md).
     """
-    if state is None or outcome.status not in (Status.QUEUED, Status.RUNNING):
+    if state is None or outcome.status not in OPEN:
         return None
     said = _("the database says %(status)s; the broker: %(where)s") % {
         "status": outcome.status,
@@ -60,9 +60,39 @@ def broker_truth(outcome: TaskOutcome, state) -> tuple[str, str, str] | None:
     }
     if state.place is Place.DEAD:
         return "dead", _("dead-lettered"), said
-    if outcome.status == Status.RUNNING and state.place is Place.LEASED and not state.lease_alive:
+    if state.place is Place.LEASED and not state.lease_alive:
         return "failed", _("lease expired"), said
+    if outcome.status == Status.QUEUED and state.place is Place.LEASED:
+        return "running", _("running"), said
     return None
+
+
+def _ago(seconds: float) -> str:
+    """``40 s``, ``12 min``, ``3 h``: how far a deadline or due time is, as a glance reads it."""
+    seconds = abs(seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
+
+
+def broker_line(state) -> str:
+    """Where the broker holds an open row's message, in a few words (the changelist's status cell)."""
+    seconds = state.seconds_from_now or 0.0
+    if state.place is Place.LEASED:
+        if state.lease_alive:
+            return _("leased, %(left)s left") % {"left": _ago(seconds)}
+        return _("lease expired %(ago)s ago") % {"ago": _ago(seconds)}
+    if state.place is Place.DELAYED:
+        if seconds > 0:
+            return _("delayed, due in %(left)s") % {"left": _ago(seconds)}
+        return _("delayed, due %(ago)s ago") % {"ago": _ago(seconds)}
+    if state.place is Place.DEAD:
+        return _("dead-lettered %(ago)s ago") % {"ago": _ago(seconds)}
+    if state.place is Place.READY:
+        return _("ready")
+    return _("not in the broker")
 
 
 class TaskDeliveryInline(admin.TabularInline):
@@ -72,8 +102,12 @@ class TaskDeliveryInline(admin.TabularInline):
     extra = 0
     can_delete = False
     ordering = ("started_at", "id")
+    started_at_shown = moment_column(TaskDelivery, "started_at")
+    finished_at_shown = moment_column(TaskDelivery, "finished_at")
+    lease_deadline_shown = moment_column(TaskDelivery, "lease_deadline")
+    form = described_form(TaskDelivery, [started_at_shown, finished_at_shown, lease_deadline_shown])
     fields = (
-        "started_at",
+        "started_at_shown",
         "verdict",
         "fence_token",
         "token_source",
@@ -83,8 +117,8 @@ class TaskDeliveryInline(admin.TabularInline):
         "task_id",
         "queue",
         "detail",
-        "finished_at",
-        "lease_deadline",
+        "finished_at_shown",
+        "lease_deadline_shown",
     )
     readonly_fields = fields
 
@@ -101,8 +135,7 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadO
         "status_badge",
         "task_short",
         "queue",
-        "attempts",
-        "deliveries",
+        "runs",
         "age",
         "worker",
         "duplicates",
@@ -141,17 +174,37 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadO
             _("Timing"),
             {
                 "fields": (
-                    "queued_at",
-                    "eta",
-                    "first_started_at",
-                    "last_started_at",
-                    "lease_deadline",
-                    "finished_at",
-                    "updated_at",
+                    "queued_at_shown",
+                    "eta_shown",
+                    "first_started_at_shown",
+                    "last_started_at_shown",
+                    "lease_deadline_shown",
+                    "finished_at_shown",
+                    "updated_at_shown",
                 )
             },
         ),
         (_("In the broker"), {"fields": ("broker_message",)}),
+    )
+
+    queued_at_shown = moment_column(TaskOutcome, "queued_at")
+    eta_shown = moment_column(TaskOutcome, "eta")
+    first_started_at_shown = moment_column(TaskOutcome, "first_started_at")
+    last_started_at_shown = moment_column(TaskOutcome, "last_started_at")
+    lease_deadline_shown = moment_column(TaskOutcome, "lease_deadline")
+    finished_at_shown = moment_column(TaskOutcome, "finished_at")
+    updated_at_shown = moment_column(TaskOutcome, "updated_at")
+    form = described_form(
+        TaskOutcome,
+        [
+            queued_at_shown,
+            eta_shown,
+            first_started_at_shown,
+            last_started_at_shown,
+            lease_deadline_shown,
+            finished_at_shown,
+            updated_at_shown,
+        ],
     )
 
     def celery_app(self):
@@ -193,25 +246,43 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadO
 
     @admin.display(description=_("idempotency key"), ordering="idempotency_key")
     def key_short(self, outcome: TaskOutcome) -> str:
-        return _shortened(outcome.idempotency_key, KEY_CHARS)
+        return key_cell(outcome.idempotency_key)
 
     @admin.display(description=_("status"), ordering="status")
     def status_badge(self, outcome: TaskOutcome) -> str:
-        """The database's status, or the broker's truth where it differs (dead-lettered, lease expired)."""
-        truth = broker_truth(outcome, getattr(outcome, "broker_state", None))
+        """The database's status, or the broker's where they differ; and where an open row's message is.
+
+        Under the badge of a *queued* or *running* row (or a dead one whose
+        message is still dead-lettered): where the broker holds its message,
+        read in one bounded round trip per queue for the whole page.
+        """
+        state = getattr(outcome, "broker_state", None)
+        truth = broker_truth(outcome, state)
         if truth is not None:
             css, label, why = truth
-            return format_html('<span class="qa-status qa-status-{}" title="{}">{}</span>', css, why, label)
-        badge = format_html(
-            '<span class="qa-status qa-status-{}">{}</span>', outcome.status, outcome.get_status_display()
-        )
-        if getattr(outcome, "broker_known", True) or not message_id_of(outcome):
+            badge = format_html('<span class="qa-status qa-status-{}" title="{}">{}</span>', css, why, label)
+        else:
+            badge = format_html(
+                '<span class="qa-status qa-status-{}">{}</span>', outcome.status, outcome.get_status_display()
+            )
+        if not message_id_of(outcome):
+            return badge
+        if not getattr(outcome, "broker_known", True):
+            if outcome.status not in OPEN:
+                return badge
+            return format_html(
+                '{} <span class="qa-broker qa-unknown" title="{}">{}</span>',
+                badge,
+                _("Redis could not be read: where the broker holds the message is unknown"),
+                _("broker: unknown"),
+            )
+        if state is None or (outcome.status not in OPEN and state.place is not Place.DEAD):
             return badge
         return format_html(
-            '{} <span class="qa-unknown" title="{}">{}</span>',
+            '{} <span class="qa-broker" title="{}">{}</span>',
             badge,
-            _("Redis could not be read: where the broker holds the message is unknown"),
-            _("broker: unknown"),
+            state.describe(),
+            _("broker: %(where)s") % {"where": broker_line(state)},
         )
 
     @admin.display(description=_("task name"), ordering="task_name")
@@ -225,11 +296,18 @@ class TaskOutcomeAdmin(OutcomeDetailMixin, OpsPagesMixin, LargeTableAdmin, ReadO
         """The error's first line, shortened; the whole error on hover and on the detail page."""
         if not outcome.error:
             return "-"
-        return _shortened(outcome.error.strip().splitlines()[0], ERROR_CHARS, title=outcome.error)
+        return end_shortened(outcome.error.strip().splitlines()[0], ERROR_CHARS, title=outcome.error)
+
+    @admin.display(description=_("runs / deliveries"), ordering="deliveries")
+    def runs(self, outcome: TaskOutcome) -> str:
+        """Times the body ran (attempts), and deliveries seen (duplicates and refusals included)."""
+        return f"{outcome.attempts} / {outcome.deliveries}"
 
     @admin.display(description=_("age"), ordering="queued_at")
     def age(self, outcome: TaskOutcome) -> str:
-        return timesince(outcome.queued_at, timezone.now())
+        """Since the key was first queued, to the largest unit; the moment itself on hover."""
+        since = timesince(outcome.queued_at, depth=1)
+        return format_html('<span title="{}">{}</span>', times.moment(outcome.queued_at), since)
 
     @admin.display(description=_("duplicates"))
     def duplicates(self, outcome: TaskOutcome) -> str:

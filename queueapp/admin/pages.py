@@ -22,6 +22,8 @@ from queueapp.errors import BrokerUnavailable
 from queueapp.ops import actions, diagnosis, page_cache, queues, rates, reports
 
 DEAD_LETTER_FIELD = "message"
+#: The page parameter, as the changelist names it (``?p=2``).
+PAGE_VAR = "p"
 #: The Queues page's counter columns, each with its rate (every counter is in ``queue_status --json``).
 COUNTERS = ("published", "claimed", "acked", "dead_lettered", "reclaimed", "revived")
 
@@ -98,7 +100,7 @@ class OpsPagesMixin(MonitoringPagesMixin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         app = self.celery_app()
-        report = reports.duplicates_report(app)
+        report = reports.duplicates_report(app, page=request.GET.get(PAGE_VAR) or 1)
         found = diagnosis.diagnose_outcomes(
             app, [g.outcome for g in report.groups if g.outcome is not None], broker=not report.broker_error
         )
@@ -109,6 +111,9 @@ class OpsPagesMixin(MonitoringPagesMixin):
             _("Duplicates"),
             report=report,
             groups=groups,
+            page=report.page,
+            page_numbers=report.page.paginator.get_elided_page_range(report.page.number, on_each_side=2),
+            page_var=PAGE_VAR,
             broker_error=report.broker_error,
         )
 

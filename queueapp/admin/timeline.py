@@ -16,6 +16,7 @@ from django.utils import timezone
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
+from queueapp import times
 from queueapp.models import TaskDelivery
 from queueapp.ops.diagnosis import Diagnosis
 
@@ -28,6 +29,9 @@ ROW = 34
 TOP = 10
 AXIS = 30
 TICKS = 6
+#: Width of a character of the 12 px labels, rounded up (DejaVu Sans, the widest common sans): labels are
+#: placed where this many pixels per character fit, so none runs past the picture's edge.
+CHAR_PX = 7.2
 
 COLOURS = {
     Verdict.EXECUTED: "#2e7d32",
@@ -42,8 +46,7 @@ COLOURS = {
 
 
 def _clock(moment: datetime, precise: bool) -> str:
-    local = timezone.localtime(moment)
-    return local.strftime("%H:%M:%S.%f")[:-5] if precise else local.strftime("%H:%M:%S")
+    return times.clock(moment, tenths=precise)
 
 
 def duration(seconds: float) -> str:
@@ -149,14 +152,29 @@ def _bar(
         + (f"; {d.detail}" if d.detail else "")
     )
     label = label.format(duration(max((end - d.started_at).total_seconds(), 0.0)))
+    text = f"{_clock(d.started_at, scale.precise)} · {label}"
+    x, y_label, anchor = _label_place(len(text) * CHAR_PX, x0, max(label_x, x1), y)
     return [
         f'<text x="4" y="{y + 17}" fill="currentColor">delivery {n}{escape(retry)}</text>'
         f'<text x="4" y="{y + 29}" fill="#777" font-size="10">{escape(who[:30])}</text>',
         f'<rect class="qa-bar qa-bar-{escape(d.verdict)}" data-delivery="{n}" x="{x0:.1f}" y="{y + 6}" '
         f'width="{x1 - x0:.1f}" height="16" rx="3" fill="{colour}"><title>{escape(title)}</title></rect>',
-        f'<text x="{max(label_x, x1) + 8:.1f}" y="{y + 18}" fill="{colour}">'
-        f"{_clock(d.started_at, scale.precise)} · {escape(label)}</text>",
+        f'<text class="qa-bar-label" x="{x:.1f}" y="{y_label}" text-anchor="{anchor}" fill="{colour}">'
+        f"{escape(text)}</text>",
     ]
+
+
+def _label_place(width: float, bar_start: float, marks_end: float, y: int) -> tuple[float, int, str]:
+    """Where a bar's label goes so that it is never clipped: (x, baseline, text-anchor).
+
+    After the bar and its lease marks when it fits there; else before the bar;
+    else under the bar, pulled left as far as it must.
+    """
+    if marks_end + 8 + width <= WIDTH - 4:
+        return marks_end + 8, y + 18, "start"
+    if bar_start - 8 - width >= LABEL:
+        return bar_start - 8, y + 18, "end"
+    return max(LABEL, min(bar_start, WIDTH - 4 - width)), y + 33, "start"
 
 
 def _lease_marks(diagnosis: Diagnosis, d: TaskDelivery, y: int, scale: _Scale) -> tuple[list[str], float]:

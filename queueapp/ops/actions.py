@@ -38,7 +38,7 @@ from django.db.models import Max
 from django.utils import timezone
 
 from broker_ext.errors import Reply
-from broker_ext.messages import task_message_id
+from broker_ext.messages import PUBLISH_ID, derived_publish_id, split_task_message_id, task_message_id
 from broker_ext.records import MessageState, Place
 from queueapp import conf
 from queueapp.broker_reads import BROKER_ERRORS, bounded_channel
@@ -54,9 +54,6 @@ from queueapp.ops.reports import (
 
 Status = TaskOutcome.Status
 Progress = Callable[[], None] | None
-
-#: Publishes tried with successive retry numbers when an id was acked too recently to be stored again.
-REPUBLISH_ATTEMPTS = 5
 
 
 class Step(enum.Enum):
@@ -176,11 +173,7 @@ BROKER_FAILURE = "Redis failed: "
 
 def _next_retry(outcome: TaskOutcome) -> int:
     """A retry number no publish of this task id has used: one past the highest seen."""
-    highest = 0
-    message_id = message_id_of(outcome)
-    if "." in message_id:
-        suffix = message_id.rsplit(".", 1)[1]
-        highest = int(suffix) if suffix.isdigit() else 0
+    highest = split_task_message_id(message_id_of(outcome))[1]
     logged = (
         TaskDelivery.objects.using(conf.get("DATABASE"))
         .filter(outcome=outcome, task_id=outcome.task_id)
@@ -194,27 +187,26 @@ def _republish(app, channel, outcome: TaskOutcome) -> str:
 
     The publish goes through the operator's own bounded channel, without
     Kombu's publish retries: a hung Redis fails it in ``OPS_BROKER_TIMEOUT``.
+    Its publish id is derived from the message id, so two requeues of the
+    same row that race (the same next retry number) store it once; a later
+    requeue uses the next retry number, a new message.
     """
     queue_name = queue_of(outcome, app)
     task_id = outcome.task_id or outcome.idempotency_key
     retries = _next_retry(outcome)
-    producer = app.amqp.Producer(channel, auto_declare=False)
-    for attempt in range(REPUBLISH_ATTEMPTS):
-        message_id = task_message_id(task_id, retries + attempt)
-        app.send_task(
-            outcome.task_name,
-            args=list(outcome.args or []),
-            kwargs=dict(outcome.kwargs or {}),
-            task_id=task_id,
-            retries=retries + attempt,
-            queue=queue_name,
-            producer=producer,
-            retry=False,
-        )
-        # A publish of an id acked within the transport's dedup window is a no-op: try the next number.
-        if channel.fenced_queue(queue_name).locate([message_id])[message_id].in_broker:
-            return message_id
-    raise RuntimeError(f"the broker stored none of {REPUBLISH_ATTEMPTS} publishes of {task_id}")
+    message_id = task_message_id(task_id, retries)
+    app.send_task(
+        outcome.task_name,
+        args=list(outcome.args or []),
+        kwargs=dict(outcome.kwargs or {}),
+        task_id=task_id,
+        retries=retries,
+        queue=queue_name,
+        producer=app.amqp.Producer(channel, auto_declare=False),
+        retry=False,
+        headers={PUBLISH_ID: derived_publish_id("requeue", queue_name, message_id)},
+    )
+    return message_id
 
 
 def plan_requeue(outcome: TaskOutcome, state: MessageState | None) -> tuple[Step, str]:

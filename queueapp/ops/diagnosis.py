@@ -27,10 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from django.utils import timezone
-
 from broker_ext.records import MessageState, Place, ReclaimEntry, RequeueEntry
-from queueapp import conf
+from queueapp import conf, times
 from queueapp.broker_reads import bounded_channel, queue_of
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
@@ -178,10 +176,10 @@ class Diagnosis:
 
 
 def _clock(moment: datetime | None) -> str:
-    """``14:02:11`` (in the admin's time zone), the way a sentence cites a moment."""
+    """``14:02:11`` (:func:`queueapp.times.clock`), the way a sentence cites a moment."""
     if moment is None:
         return "an unknown time"
-    return timezone.localtime(moment).strftime("%H:%M:%S")
+    return times.clock(moment)
 
 
 def _ms(ms: int) -> datetime:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
+from django.core.paginator import Page, Paginator
 from django.db.models import Max, Q
 from django.utils import timezone
 
@@ -30,6 +31,8 @@ Verdict = TaskDelivery.Verdict
 
 #: The dedup key the exactly-once layer puts on a publish (see :mod:`queueapp.publishing`).
 DEDUP_KEY_PREFIX = "exactly-once:"
+#: Keys per page of the Duplicates page (the changelist's ``list_per_page``).
+DUPLICATES_PER_PAGE = 50
 
 
 def _db() -> str:
@@ -228,11 +231,17 @@ class DuplicateGroup:
 
 @dataclass
 class DuplicatesReport:
-    """The Duplicates page: groups per key, and each queue's publish counters."""
+    """One page of the Duplicates page: its groups per key, each queue's publish counters, the pages.
+
+    ``unrecorded`` are the keys only the broker's dedup log names (no outcome
+    row has them); ``page`` is the page of outcome rows (``paginator``, ``number``).
+    """
 
     groups: list[DuplicateGroup] = field(default_factory=list)
     publish_counters: dict[str, dict[str, int]] = field(default_factory=dict)
     broker_error: str = ""
+    page: Page | None = None
+    unrecorded: list[DuplicateGroup] = field(default_factory=list)
 
 
 def _dedup_entries(queue, limit: int) -> list[dict]:
@@ -249,32 +258,9 @@ def _dedup_entries(queue, limit: int) -> list[dict]:
     ]
 
 
-def duplicates_report(app, *, limit: int | None = None) -> DuplicatesReport:
-    """Build the Duplicates page: the database's counters per key, joined with the broker's dedup log."""
-    limit = limit or int(conf.get("OPS_LIST_LIMIT"))
-    report = DuplicatesReport()
-    rows = (
-        TaskOutcome.objects.using(_db())
-        .filter(duplicated_filter() | Q(deferrals__gt=0))
-        .order_by("-updated_at")[:limit]
-    )
-    groups = {
-        o.idempotency_key: DuplicateGroup(
-            o.idempotency_key, o, o.suppressed_duplicates, o.stale_refusals, o.deferrals
-        )
-        for o in rows
-    }
-    last = (
-        TaskDelivery.objects.using(_db())
-        .filter(
-            outcome__in=[g.outcome for g in groups.values()],
-            verdict__in=[Verdict.SUPPRESSED_DUPLICATE, Verdict.REFUSED_STALE, Verdict.DEFERRED],
-        )
-        .values("outcome__idempotency_key")
-        .annotate(last=Max("started_at"))
-    )
-    for entry in last:
-        groups[entry["outcome__idempotency_key"]].last_at = entry["last"]
+def _broker_duplicates(app, report: DuplicatesReport, limit: int) -> dict[str, list[dict]]:
+    """Each queue's publish counters into ``report``; the dedup log's entries by key (empty on an outage)."""
+    deduplicated: dict[str, list[dict]] = {}
     try:
         with bounded_channel(app) as channel:
             for name in known_queues(app, channel):
@@ -286,15 +272,61 @@ def duplicates_report(app, *, limit: int | None = None) -> DuplicatesReport:
                     "deduplicated_publishes": counters.get("deduplicated_publishes", 0),
                 }
                 for entry in _dedup_entries(queue, limit):
-                    group = groups.setdefault(entry["key"], DuplicateGroup(entry["key"]))
-                    group.deduplicated_publishes.append(entry)
-                    if entry["at"] and (group.last_at is None or entry["at"] > group.last_at):
-                        group.last_at = entry["at"]
+                    deduplicated.setdefault(entry["key"], []).append(entry)
     except BrokerUnavailable as exc:
         report.broker_error = str(exc)
-    missing = [key for key, group in groups.items() if group.outcome is None]
-    for outcome in TaskOutcome.objects.using(_db()).filter(idempotency_key__in=missing):
-        groups[outcome.idempotency_key].outcome = outcome
-    epoch = datetime.min.replace(tzinfo=UTC)
-    report.groups = sorted(groups.values(), key=lambda g: g.last_at or epoch, reverse=True)[:limit]
+    return deduplicated
+
+
+def _group(key: str, outcome: TaskOutcome | None, entries: list[dict]) -> DuplicateGroup:
+    group = DuplicateGroup(key, outcome, deduplicated_publishes=entries)
+    if outcome is not None:
+        group.suppressed, group.stale_refusals = outcome.suppressed_duplicates, outcome.stale_refusals
+        group.deferrals = outcome.deferrals
+    times = [entry["at"] for entry in entries if entry["at"]]
+    group.last_at = max(times) if times else None
+    return group
+
+
+def duplicates_report(
+    app, *, page: int | str = 1, per_page: int | None = None, limit: int | None = None
+) -> DuplicatesReport:
+    """One page of the Duplicates page: the keys reached more than once, most recently changed first.
+
+    The keys are the outcome rows with a suppressed duplicate, a stale refusal
+    or a deferral, and those the broker's dedup log names (a publish dropped
+    for its dedup key); they are paged as the changelist is (``per_page``, 50),
+    so the page and its diagnoses cost the same at 100 such keys or 100,000.
+    """
+    limit = limit or int(conf.get("OPS_LIST_LIMIT"))
+    report = DuplicatesReport()
+    deduplicated = _broker_duplicates(app, report, limit)
+    rows = (
+        TaskOutcome.objects.using(_db())
+        .filter(duplicated_filter() | Q(deferrals__gt=0) | Q(idempotency_key__in=list(deduplicated)))
+        .order_by("-updated_at", "-pk")
+    )
+    report.page = Paginator(rows, per_page or DUPLICATES_PER_PAGE).get_page(page)
+    outcomes = list(report.page.object_list)
+    report.groups = [_group(o.idempotency_key, o, deduplicated.get(o.idempotency_key, [])) for o in outcomes]
+    last = (
+        TaskDelivery.objects.using(_db())
+        .filter(
+            outcome__in=outcomes,
+            verdict__in=[Verdict.SUPPRESSED_DUPLICATE, Verdict.REFUSED_STALE, Verdict.DEFERRED],
+        )
+        .values("outcome_id")
+        .annotate(last=Max("started_at"))
+    )
+    latest = {entry["outcome_id"]: entry["last"] for entry in last}
+    for group in report.groups:
+        seen = [at for at in (latest.get(group.outcome.pk), group.last_at) if at is not None]
+        group.last_at = max(seen) if seen else None
+    if deduplicated and report.page.number == 1:
+        recorded = set(
+            TaskOutcome.objects.using(_db())
+            .filter(idempotency_key__in=list(deduplicated))
+            .values_list("idempotency_key", flat=True)
+        )
+        report.unrecorded = [_group(k, None, e) for k, e in deduplicated.items() if k not in recorded]
     return report

@@ -10,9 +10,13 @@ take its messages. The page shows a consumer for ten minutes after its last
 report; the registry forgets it after two (or ten intervals) once other
 consumers report.
 
+Each held message is shown by its idempotency key and task name, read from
+its payload in Redis (a held delivery's claim reaches the database only with
+its verdict, so the outcome row may not name the message yet).
+
 The database's side is shown next to it: the keys it records as *running*,
 by worker, so a worker the database thinks busy but that no keeper reports is
-visible too.
+visible too, and so is what the database knows while Redis cannot be read.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from queueapp import conf
 from queueapp.broker_reads import bounded_channel
 from queueapp.errors import BrokerUnavailable
 from queueapp.models import TaskOutcome
+from queueapp.ops.reports import broker_messages
 
 PIDBOX_SUFFIX = ".celery.pidbox"
 
@@ -49,11 +54,13 @@ def silent_after(record: ConsumerRecord) -> float:
 
 @dataclass
 class HeldMessage:
-    """A delivery a consumer holds, with the outcome row of its message when there is one."""
+    """A delivery a consumer holds: its key and task (from its payload) and its outcome row, when known."""
 
     queue: str
     message_id: str
     outcome: TaskOutcome | None = None
+    key: str = ""
+    task: str = ""
 
 
 @dataclass
@@ -129,50 +136,66 @@ def _split_held(held_id: str) -> tuple[str, str]:
     return queue, message_id
 
 
+def _consumers(channel) -> list[ConsumerRecord]:
+    return read_consumers(channel.fenced_client, prefix=channel.global_keyprefix, silent_after_s=SHOWN_FOR_S)
+
+
 def read_workers(app) -> list[ConsumerRecord]:
     """Consumers reported in the last ten minutes. Raises :class:`~queueapp.errors.BrokerUnavailable`."""
     with bounded_channel(app) as channel:
-        client, prefix = channel.fenced_client, channel.global_keyprefix
-        return read_consumers(client, prefix=prefix, silent_after_s=SHOWN_FOR_S)
+        return _consumers(channel)
+
+
+def _held_messages(app, channel, records: list[ConsumerRecord]) -> dict[tuple[str, str], HeldMessage]:
+    """Every listed held message with its key, task and outcome row (payloads: one read per queue)."""
+    by_queue: dict[str, list[str]] = {}
+    for record in records:
+        for held in record.held_ids:
+            queue, message_id = _split_held(held)
+            by_queue.setdefault(queue, []).append(message_id)
+    found: dict[tuple[str, str], HeldMessage] = {}
+    for queue, ids in by_queue.items():
+        for message in broker_messages(app, channel.fenced_queue(queue), list(dict.fromkeys(ids))):
+            found[queue, message.message_id] = HeldMessage(
+                queue, message.message_id, message.outcome, message.key, message.info.task
+            )
+    return found
 
 
 def workers_report(app) -> WorkersReport:
     """Everything the Workers page shows, reading Redis and the database each within its bounds."""
     report = WorkersReport()
     records: list[ConsumerRecord] = []
+    held: dict[tuple[str, str], HeldMessage] = {}
     try:
-        records = read_workers(app)
+        with bounded_channel(app) as channel:
+            records = _consumers(channel)
+            held = _held_messages(app, channel, records)
     except BrokerUnavailable as exc:
         report.broker_error = str(exc)
-    using = conf.get("DATABASE")
-    outcomes: dict[str, TaskOutcome] = {}
+    except DatabaseError as exc:
+        report.database_error = f"{type(exc).__name__}: {exc}"
     try:
         running = (
-            TaskOutcome.objects.using(using)
+            TaskOutcome.objects.using(conf.get("DATABASE"))
             .filter(status=TaskOutcome.Status.RUNNING)
             .values("worker")
             .annotate(n=Count("pk"))
             .order_by()
         )
         report.running_by_worker = {row["worker"] or "?": row["n"] for row in running}
-        message_ids = [_split_held(held)[1] for record in records for held in record.held_ids]
-        if message_ids:
-            for outcome in TaskOutcome.objects.using(using).filter(message_id__in=message_ids):
-                outcomes[outcome.message_id] = outcome
     except DatabaseError as exc:
         report.database_error = f"{type(exc).__name__}: {exc}"
     by_name: dict[str, list[ConsumerRecord]] = {}
     for record in records:
         by_name.setdefault(record.name or record.consumer_id, []).append(record)
     for name, consumers in sorted(by_name.items()):
-        held = [HeldMessage(*_split_held(h)) for record in consumers for h in record.held_ids]
-        for message in held:
-            message.outcome = outcomes.get(message.message_id)
+        listed = [_split_held(h) for record in consumers for h in record.held_ids]
         report.workers.append(
             WorkerRow(
                 name,
                 consumers,
-                held,
+                [held.get(place) or HeldMessage(*place) for place in listed],
                 running_in_database=report.running_by_worker.get(name, 0),
             )
         )

@@ -67,16 +67,35 @@ def start_worker(redis_server, fenced_url) -> Iterator[Callable[..., CeleryWorke
 
 
 @pytest.fixture
-def celery_app(fenced_url):
-    """The test app, pointed at this test's broker from the test process."""
+def celery_app(fenced_url, redis_server):
+    """The test app, pointed at this test's broker (and its workers' result backend) from the test process."""
     from tests.broker_ext import worker_app
 
     app = worker_app.app
     reset_connections(app)
     app.conf.broker_url = fenced_url
     app.conf.broker_transport_options = {}
+    app.conf.result_backend = f"redis://127.0.0.1:{redis_server.port}/0"
+    forget_backend(app)
     yield app
     reset_connections(app)
+    forget_backend(app)
+
+
+def forget_backend(app) -> None:
+    """Drop the app's cached result backend (each test has its own Redis database for it).
+
+    Results a test sent for (a chord's header) stay subscribed until they
+    arrive, which the test never waits for: they are let go now, while the
+    Redis they subscribed on still runs, not when the interpreter exits.
+    """
+    backend = app._backend
+    pending = getattr(backend, "_pending_results", None)
+    for waiters in list(pending.concrete.values()) if pending else []:
+        for result in list(waiters.values()):
+            backend.remove_pending_result(result)
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)
 
 
 @pytest.fixture

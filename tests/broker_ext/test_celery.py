@@ -10,6 +10,7 @@ import pytest
 
 from broker_ext.queue import FencedQueue
 from lab.processes import wait_for
+from tests.broker_ext.behaviour import both
 from tests.helpers import reset_connections, runs
 
 pytestmark = pytest.mark.slow
@@ -263,3 +264,78 @@ def test_a_worker_survives_its_redis_turning_replica_and_back(
     assert worker.alive(), worker.output(3000)
     record_run.delay(2)
     assert wait_for(lambda: record.llen("finished") == 2, timeout=60), worker.output(3000)
+
+
+@both()
+def test_a_task_id_used_again_runs_again_as_on_stock(transport, broker_url, celery_app, start_worker, record):
+    """A resent publish is absorbed; a new publish of a used task id is not (Celery's own tests do it):
+    a fixed task_id sent again after it finished, and a frozen signature applied twice at once."""
+    from tests.broker_ext.worker_app import record_run
+
+    celery_app.conf.broker_url = broker_url
+    reset_connections(celery_app)
+    worker = start_worker(broker_url=broker_url)
+    record_run.apply_async((1,), task_id="x")
+    assert wait_for(lambda: record.llen("finished") == 1, timeout=30), worker.output(3000)
+    record_run.apply_async((2,), task_id="x")
+    frozen = record_run.s(3)
+    frozen.freeze()
+    frozen.apply_async()
+    frozen.apply_async()
+    assert wait_for(lambda: record.llen("finished") == 4, timeout=30), worker.output(3000)
+    time.sleep(0.5)
+    assert sorted(run["n"] for run in runs(record)) == [1, 2, 3, 3]
+
+
+@both()
+def test_a_chord_applied_again_completes_again_as_on_stock(
+    transport, broker_url, celery_app, start_worker, record
+):
+    """Applying a frozen chord a second time sends its header tasks again under the same task ids: they
+    must run, or the chord waits for them for ever."""
+    from celery import chord
+
+    from tests.broker_ext.worker_app import chord_part, record_run
+
+    celery_app.conf.broker_url = broker_url
+    reset_connections(celery_app)
+    worker = start_worker(broker_url=broker_url)
+    applied = chord([chord_part.s(1), chord_part.s(2)], record_run.si(99))
+    applied.freeze()
+    applied.apply_async()
+    assert wait_for(lambda: record.llen("finished") == 3, timeout=30), worker.output(3000)
+    applied.apply_async()
+    assert wait_for(lambda: record.llen("finished") == 6, timeout=30), worker.output(3000)
+    assert sorted(run["n"] for run in runs(record)) == [1, 1, 2, 2, 99, 99]
+
+
+@pytest.mark.parametrize("transport", ["stock", "fenced"])
+def test_inspect_scheduled_lists_a_countdown_task_on_both_transports(
+    celery_app, start_worker, record, redis_url, fenced_url, transport
+):
+    """Stock lists what a worker holds in memory; fenced lists what waits in its queue's delayed set."""
+    from tests.broker_ext.worker_app import record_run
+
+    url = redis_url if transport == "stock" else fenced_url
+    reset_connections(celery_app)
+    celery_app.conf.broker_url = url
+    start_worker(broker_url=url, name=f"scheduled-{transport}")
+    result = record_run.apply_async((7,), kwargs={"sleep": 0}, countdown=60, priority=3)
+    found: list[dict] = []
+
+    def listed() -> bool:
+        replies = celery_app.control.inspect(timeout=1).scheduled() or {}
+        found[:] = [
+            entry for name, entries in replies.items() if name.startswith("scheduled-") for entry in entries
+        ]
+        return bool(found)
+
+    assert wait_for(listed, timeout=30)
+    (entry,) = found
+    request = entry["request"]
+    assert (request["id"], request["name"], request["args"]) == (result.id, record_run.name, [7])
+    assert request["kwargs"] == {"sleep": 0} and request["hostname"].startswith(f"scheduled-{transport}@")
+    assert datetime.fromisoformat(entry["eta"]) > datetime.now(UTC) + timedelta(seconds=50)
+    if transport == "fenced":
+        assert entry["fenced"] == {"queue": "tests", "message_id": f"{result.id}.0"}
+    assert record.llen("runs") == 0

@@ -10,10 +10,11 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from broker_ext.errors import MessageTooLarge, RedisFull, ScriptRefused
-from broker_ext.messages import delay_ms_of, message_id_of
+from broker_ext.messages import PUBLISH_ID, delay_ms_of, message_id_of
 from broker_ext.records import OutgoingMessage
 from broker_ext.transport import Transport
 from lab.processes import wait_for
+from lab.proxy import FaultProxy
 
 
 def test_importing_broker_ext_registers_fenced_and_fenceds():
@@ -66,6 +67,86 @@ def test_a_dedup_key_header_deduplicates_publishes_of_the_same_logical_operation
             )
         stats = conn.default_channel.fenced_queue("charges").stats()
         assert stats.ready == 1 and stats.counters["deduplicated_publishes"] == 2
+
+
+def test_a_publish_resent_by_redis_py_or_retried_by_kombu_is_stored_once_and_a_new_one_again(
+    redis_server, redis_db
+):
+    """redis-py resends the very command after a lost reply; Producer.publish(retry=True) calls _publish
+    again with the same properties: both carry the first attempt's publish id. A new publish is new."""
+    queue = Queue("ensured", Exchange("ensured"), routing_key="ensured")
+    headers = {"id": "t1", "task": "charge", "retries": 0}
+    policy = {"max_retries": 3, "interval_start": 0, "interval_step": 0.1}
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        for retries, name in ((3, "resent"), (0, "ensured")):
+            url = f"fenced://127.0.0.1:{proxy.port}/{redis_db}"
+            with Connection(url, transport_options={"command_retries": retries}) as conn:
+                queue = Queue(name, Exchange(name), routing_key=name)
+                producer = Producer(conn.channel(), exchange=queue.exchange, routing_key=name)
+                queue(producer.channel).declare()
+                producer.publish({"n": 0})  # The scripts are loaded: the next reply lost is the publish's.
+                proxy.lose_replies(1, ["EVALSHA"])
+                producer.publish({"n": 1}, headers=dict(headers), retry=True, retry_policy=policy)
+                assert proxy.stats.replies_lost == (1 if retries else 2)
+                fenced = conn.default_channel.fenced_queue(name)
+                assert (fenced.stats().ready, fenced.stats().counters["duplicate_publishes"]) == (2, 1)
+                producer.publish({"n": 2}, headers=dict(headers), retry=True, retry_policy=policy)
+                assert fenced.stats().ready == 3
+
+
+def test_a_caller_s_publish_id_header_makes_a_publish_idempotent_across_processes(fenced_url):
+    """The outbox relay and the migration name their publishes, so a run killed and started again
+    stores nothing twice; the id is not handed on to the consumer (its publishes are its own)."""
+    queue = Queue("named", Exchange("named"), routing_key="named")
+    with Connection(fenced_url) as conn:
+        for _ in range(2):  # two processes' worth: new producers, new headers
+            Producer(conn.channel()).publish(
+                {"n": 1},
+                exchange=queue.exchange,
+                routing_key="named",
+                declare=[queue],
+                headers={"id": "t1", "task": "charge", "retries": 0, PUBLISH_ID: "outbox:7"},
+            )
+        assert conn.default_channel.fenced_queue("named").stats().ready == 1
+        got: list = []
+        with consume(conn, queue, got):
+            assert drain_until(conn, lambda: got, seconds=5)
+        ((_, received),) = got
+        assert PUBLISH_ID not in received.headers and PUBLISH_ID not in received.properties
+
+
+def test_a_publisher_routes_by_the_bindings_it_read_and_reads_them_again_when_a_key_routes_nowhere(
+    fenced_url,
+):
+    """The binding table is read once (no SMEMBERS round trip per publish). A queue another process
+    binds to a new routing key is found at the first publish to it; one bound to a routing key that
+    already routes, after binding_cache_ttl (or at the next read)."""
+    exchange = Exchange("routed", "direct")
+
+    def bind_elsewhere(name: str, routing_key: str) -> None:
+        with Connection(fenced_url) as other:
+            Queue(name, exchange, routing_key=routing_key)(other.channel()).declare()
+
+    with Connection(fenced_url, transport_options={"binding_cache_ttl": 0.5}) as producer_conn:
+        producer = Producer(producer_conn.channel(), exchange=exchange)
+        channel = producer.channel
+        Queue("routed-a", exchange, routing_key="a")(channel).declare()
+        producer.publish({"n": 1}, routing_key="a")  # reads the table, and keeps it
+
+        def sizes() -> list[int]:
+            return [channel.fenced_queue(f"routed-{name}").size() for name in ("a", "a2", "b", "a3")]
+
+        bind_elsewhere("routed-a2", "a")
+        producer.publish({"n": 2}, routing_key="a")
+        assert sizes() == [2, 0, 0, 0]  # "a" still routes by the table kept
+        bind_elsewhere("routed-b", "b")
+        producer.publish({"n": 3}, routing_key="b")  # routes nowhere in the table kept: read again
+        producer.publish({"n": 4}, routing_key="a")
+        assert sizes() == [3, 1, 1, 0]
+        bind_elsewhere("routed-a3", "a")
+        time.sleep(0.6)  # binding_cache_ttl
+        producer.publish({"n": 5}, routing_key="a")
+        assert sizes() == [4, 2, 1, 1]
 
 
 def test_batch_publish_sends_many_messages_through_one_pipeline(fenced_url):
@@ -234,7 +315,7 @@ def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(
         producer = Producer(conn.channel())
         for n in range(300):
             producer.publish({"n": n}, exchange=queue.exchange, routing_key="busy", declare=[queue])
-        redis_client.delete(conn.default_channel.fenced_queue("busy").keys.signal)  # no wake-ups at all
+        redis_client.delete(conn.default_channel.fenced_queue("busy").keys.wake)  # no wake-up at all
         redis_client.config_resetstat()
         got: list = []
         with consume(conn, queue, got, prefetch=1) as consumer:
@@ -245,5 +326,5 @@ def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(
             stats = consumer.channel.fenced_queue("busy").stats()
         assert sorted(body["n"] for body, _ in got) == list(range(300))
         assert (stats.ready, stats.leased) == (0, 0)
-        brpops = redis_client.info("commandstats").get("cmdstat_brpop", {}).get("calls", 0)
-        assert brpops < 20, f"{brpops} BRPOPs for 300 messages: the consumer did not claim as it polled"
+        waits = redis_client.info("commandstats").get("cmdstat_bzpopmin", {}).get("calls", 0)
+        assert waits < 20, f"{waits} BZPOPMINs for 300 messages: the consumer did not claim as it polled"

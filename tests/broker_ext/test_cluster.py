@@ -42,7 +42,7 @@ def drain_until(conn: Connection, done, seconds: float) -> None:
 def test_queues_on_different_nodes_are_published_consumed_and_acked(connect, redis_cluster):
     conn = connect()
     queues = [Queue(f"spread-{i}", Exchange(f"spread-{i}"), routing_key=f"spread-{i}") for i in range(6)]
-    owners = {redis_cluster.master_for(QueueKeys(q.name).signal).port for q in queues}
+    owners = {redis_cluster.master_for(QueueKeys(q.name).wake).port for q in queues}
     assert len(owners) >= 2, "the test needs queues on several nodes"
     producer = Producer(conn.channel())
     for n in range(60):
@@ -71,8 +71,8 @@ def test_a_moving_slot_pauses_its_queue_then_calls_follow_moved_to_the_new_owner
     queue.publish([OutgoingMessage(f"m{n}", b"{}") for n in range(20)])
     first = [item.delivery for item in queue.claim(5)]
 
-    slot = redis_cluster.nodes[0].client().cluster("keyslot", queue.keys.signal)
-    source = redis_cluster.master_for(queue.keys.signal)
+    slot = redis_cluster.nodes[0].client().cluster("keyslot", queue.keys.wake)
+    source = redis_cluster.master_for(queue.keys.wake)
     target = next(node for node in redis_cluster.live_nodes() if node is not source)
     source_id, target_id = source.client().cluster("myid"), target.client().cluster("myid")
     target.client().cluster("setslot", slot, "importing", source_id)
@@ -90,7 +90,7 @@ def test_a_moving_slot_pauses_its_queue_then_calls_follow_moved_to_the_new_owner
     assert queue.ack([item.delivery for item in rest]) == [Reply.OK] * 15
     stats = queue.stats()
     assert (stats.ready, stats.leased, stats.counters["acked"]) == (0, 0, 20)
-    assert redis_cluster.master_for(queue.keys.signal) is target
+    assert redis_cluster.master_for(queue.keys.wake) is target
 
 
 def test_a_cluster_has_only_database_zero(redis_cluster):
@@ -153,7 +153,7 @@ def test_a_master_killed_mid_run_fails_over_and_no_message_is_lost(
     reset_connections(celery_app)
     celery_app.conf.broker_url = url
     celery_app.conf.broker_transport_options = CLUSTER
-    victim = failover_cluster.master_for(QueueKeys("tests").signal)
+    victim = failover_cluster.master_for(QueueKeys("tests").wake)
     worker_url = failover_cluster.fenced_urls(excluding=victim)
     worker = start_worker(broker_url=worker_url, transport_options=CLUSTER, name="survivor", prefetch=4)
     for n in range(60):

@@ -47,6 +47,20 @@ def test_locate_says_where_each_message_is(queue):
     assert found["ready"].lease_alive and found["ready"].delivery_count == 1
 
 
+def test_locate_by_a_task_s_message_id_finds_a_later_publish_stored_beside_it(queue):
+    """A task id published again while its first message lived is stored as <id>~<n>; once the first
+    is acked, a lookup by the task's message id (what the admin and requeue do) finds the later one."""
+    queue.publish([OutgoingMessage("t.0", "{}", publish_id="first")])
+    queue.publish([OutgoingMessage("t.0", "{}", publish_id="second")])
+    assert queue.locate(["t.0"])["t.0"].message_id == "t.0"
+    first, second = queue.claim(2)
+    queue.ack([first.delivery])
+    found = queue.locate(["t.0"])["t.0"]
+    assert (found.message_id, found.place) == (second.delivery.message_id, Place.LEASED)
+    queue.ack([second.delivery])
+    assert queue.locate(["t.0"])["t.0"].place is Place.ABSENT
+
+
 def test_a_reclaim_past_max_deliveries_announces_the_dead_letter_with_its_reason(queue, notices):
     queue.publish([OutgoingMessage("poison", "{}")])
     queue.claim(1)

@@ -16,7 +16,7 @@ from broker_ext.records import Delivery, OutgoingMessage
 from broker_ext.scripts import LUA_DIR, SCRIPT_KEYS, SCRIPT_NAMES, source
 from lab.processes import wait_for
 
-HASH_KEYS = {"bodies", "state", "reasons", "stats"}
+HASH_KEYS = {"bodies", "state", "reasons", "stats", "acks"}
 
 
 def message(message_id: str, body: str = "{}", **kwargs) -> OutgoingMessage:
@@ -70,6 +70,48 @@ def test_publish_of_an_id_acked_within_the_window_is_a_duplicate(queue):
     assert queue.ack([claimed.delivery]) == [Reply.OK]
     assert queue.publish([message("a")]) == [Reply.DUPLICATE]
     assert queue.size() == 0
+
+
+def test_a_resend_of_a_publish_is_a_duplicate_and_another_publish_of_its_id_a_new_message(queue):
+    """A publish id names one publish call: its resend is absorbed, a new publish of the same id runs."""
+    first = message("task.0", body='{"n": 1}', publish_id="p1")
+    second = message("task.0", body='{"n": 2}', publish_id="p2")
+    assert queue.publish([first]) == [Reply.OK]
+    assert queue.publish([second]) == [Reply.OK]  # the first is still live: stored beside it
+    assert queue.publish([first, second]) == [Reply.DUPLICATE, Reply.DUPLICATE]  # resends of both
+    claimed = queue.claim(5)
+    assert [(c.delivery.message_id, c.payload) for c in claimed] == [
+        ("task.0", b'{"n": 1}'),
+        (f"task.0~{claimed[1].delivery.message_id.split('~')[1]}", b'{"n": 2}'),
+    ]
+    assert queue.ack([c.delivery for c in claimed]) == [Reply.OK, Reply.OK]
+    assert queue.publish([first, second]) == [Reply.DUPLICATE, Reply.DUPLICATE]  # acked, in the window
+    third = message("task.0", body='{"n": 3}', publish_id="p3")
+    assert queue.publish([third]) == [Reply.OK]  # the first was acked: stored under its own id again
+    assert queue.publish([first, second, third]) == [Reply.DUPLICATE] * 3
+    (again,) = queue.claim(5)
+    assert (again.delivery.message_id, again.payload) == ("task.0", b'{"n": 3}')
+    assert queue.stats().counters["duplicate_publishes"] == 7
+
+
+def test_a_publish_without_a_publish_id_is_idempotent_on_its_message_id(queue):
+    assert queue.publish([message("a"), message("a")]) == [Reply.OK, Reply.DUPLICATE]
+    assert queue.publish([message("a", publish_id="a")]) == [Reply.DUPLICATE]
+
+
+@pytest.mark.parametrize("publish_id", ["has space", "a,b", "a|b", "a~1", "x" * 129])
+def test_a_malformed_publish_id_is_refused_before_any_write(queue, redis_client, publish_id):
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="publish id must be"):
+        queue.publish([message("a", publish_id=publish_id)])
+    assert snapshot(redis_client) == before
+
+
+def test_a_record_written_before_publish_ids_existed_absorbs_any_publish_of_its_id(queue, redis_client):
+    """An upgrade keeps the old guarantee for messages stored before it: one message per id."""
+    queue.publish([message("old")])
+    redis_client.hset(queue.keys.state, "old", "0|0|0|0|0|1|0|")  # the eight-field record of before
+    assert queue.publish([message("old", publish_id="new-call")]) == [Reply.DUPLICATE]
 
 
 def test_dedup_key_deduplicates_logically_equal_publishes_within_its_window(queue, redis_client):
@@ -332,8 +374,8 @@ def test_stats_report_depths_and_oldest_ready_age(queue):
         ("leases", lambda q: q.extend([Delivery("jobs", "a", 1)])),
         ("dead", lambda q: q.requeue([Delivery("jobs", "a", 1)])),
         ("reasons", lambda q: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
-        ("seq", lambda q: q.claim(1)),
-        ("signal", lambda q: q.revive(["a"])),
+        ("counters", lambda q: q.claim(1)),
+        ("wake", lambda q: q.revive(["a"])),
         ("bodies", lambda q: q.purge()),
     ],
 )
@@ -349,6 +391,60 @@ def test_a_wrong_typed_key_fails_the_script_with_no_partial_write(queue, redis_c
     with pytest.raises(ScriptRefused, match="WRONGTYPE"):
         operation(queue)
     assert snapshot(redis_client) == before
+
+
+#: Every key a publish writes or reads, and a publish that touches it.
+PUBLISH_KEYS = [
+    ("state", {}),
+    ("bodies", {}),
+    ("counters", {}),
+    ("ready", {}),
+    ("wake", {}),
+    ("delayed", {"delay_ms": 60_000}),
+    ("done", {}),
+    ("dedups", {"dedup_key": "k", "dedup_window_ms": 60_000}),
+]
+
+
+@pytest.mark.parametrize(("key_name", "kind"), PUBLISH_KEYS)
+def test_a_key_of_the_wrong_type_planted_between_two_publishes_is_refused_with_nothing_written(
+    queue, redis_client, key_name, kind
+):
+    """publish checks no key's type up front (a TYPE per key per call): its first write fails before
+    anything is written, and a later write that fails undoes the ones before it."""
+    assert queue.publish([message("first", **kind)]) == [Reply.OK]
+    if key_name == "dedups":  # the log is written when a publish is deduplicated: the second one is
+        kind = {**kind, "dedup_key": "k"}
+    key = getattr(queue.keys, key_name)
+    redis_client.delete(key)
+    if key_name in HASH_KEYS:
+        redis_client.set(key, "not a hash")
+    else:
+        redis_client.hset(key, "not", "the right type")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
+        queue.publish([message("second", **kind)])
+    assert snapshot(redis_client) == before
+    redis_client.delete(key)
+    assert queue.publish([message("second", **kind)]) == [
+        Reply.DEDUPLICATED if key_name == "dedups" else Reply.OK
+    ]
+
+
+def test_a_queue_whose_counters_start_now_continues_the_sequence_of_an_earlier_version(queue, redis_client):
+    """Before the counters key, the sequence was a string `seq` and the counts a hash `stats`: messages
+    ready then keep their place before later ones, and the counts go on."""
+    redis_client.set(queue.keys.seq, 5000)
+    redis_client.hset(queue.keys.stats, mapping={"published": 7, "acked": 3})
+    redis_client.hset(queue.keys.state, "old", "0|0|0|0|0|1|0|")
+    redis_client.hset(queue.keys.bodies, "old", "{}")
+    redis_client.zadd(queue.keys.ready, {"old": 5000})
+    queue.publish([message("new")])
+    assert [c.delivery.message_id for c in queue.claim(2)] == ["old", "new"]
+    assert {k: v for k, v in queue.stats().counters.items() if k in ("published", "acked")} == {
+        "published": 8,
+        "acked": 3,
+    }
 
 
 def test_bad_arguments_are_refused_before_any_write(queue, redis_client):
@@ -467,9 +563,28 @@ def test_every_delivery_given_back_is_logged_with_its_reason_and_a_resent_requeu
 
 def test_a_priority_must_be_a_whole_number(queue, redis_client):
     before = snapshot(redis_client)
-    with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
+    with pytest.raises(ScriptRefused, match=r"BADARG ARGV\[4\] must be an int or text, not 5\.5"):
         queue.publish([message("a", priority=5.5)])
+    with pytest.raises(ScriptRefused, match="priority of message 1 must be a whole number"):
+        _call(queue, "publish", [0, "a", "{}", "5.5", 0, 0, "p"], dedup=[queue.keys.dedup("")])
     assert snapshot(redis_client) == before
+
+
+@pytest.mark.parametrize("priority", [-0.0, "-0", 0.0, True])
+def test_a_negative_zero_or_float_priority_is_refused_not_stored_as_a_state_nobody_parses(
+    queue, redis_client, priority
+):
+    """A priority of -0.0 or "-0" once passed and was stored as "-0"; the next claim then dead-lettered it."""
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="BADARG"):
+        if isinstance(priority, str):
+            _call(queue, "publish", [0, "a", "{}", priority, 0, 0, "p"], dedup=[queue.keys.dedup("")])
+        else:
+            queue.publish([message("a", priority=priority)])
+    assert snapshot(redis_client) == before
+    assert queue.publish([message("a", priority=0)]) == [Reply.OK]
+    (claimed,) = queue.claim()
+    assert claimed.delivery.message_id == "a" and queue.dead_letters() == []
 
 
 @pytest.mark.parametrize(
@@ -493,7 +608,7 @@ def test_a_ready_message_that_cannot_be_delivered_is_dead_lettered_with_the_reas
 
 
 def test_priority_order_holds_after_a_trillion_publishes(queue, redis_client):
-    redis_client.set(queue.keys.seq, 2 * 10**12)
+    redis_client.bitfield(queue.keys.counters).set("i64", "#0", 2 * 10**12).execute()
     queue.publish([message("low", priority=1), message("high", priority=0)])
     (claimed,) = queue.claim()
     queue.requeue([claimed.delivery], counted=False)  # back to the front of priority 0
@@ -522,23 +637,26 @@ def test_revive_with_the_token_seen_takes_a_message_from_a_lease_and_fences_its_
 
 
 def test_a_claim_that_leaves_messages_ready_leaves_a_wake_up_for_the_next_consumer(queue, redis_client):
-    """Publishes keep at most signal_cap wake-ups; without this a prefetch-1 consumer would stall."""
-    queue.publish([message(str(i)) for i in range(100)])
-    assert redis_client.llen(queue.keys.signal) == 64
-    redis_client.delete(queue.keys.signal)  # every wake-up consumed, 100 messages still ready
+    """A publish sets one marker however many it stores; without this a prefetch-1 consumer would stall."""
+    for i in range(100):
+        queue.publish([message(str(i))])
+    assert redis_client.zrange(queue.keys.wake, 0, -1) == [b"ready"]
+    redis_client.delete(queue.keys.wake)  # one consumer took it; 100 messages still ready
     queue.claim(1)
-    assert redis_client.llen(queue.keys.signal) == 1
-    redis_client.delete(queue.keys.signal)
+    assert redis_client.zcard(queue.keys.wake) == 1
+    redis_client.delete(queue.keys.wake)
+    queue.claim(1, wake_next=False)  # a busy consumer's poll: it claims again at once itself
+    assert redis_client.zcard(queue.keys.wake) == 0
     queue.claim(200)  # the queue is empty now: nobody needs waking
-    assert redis_client.llen(queue.keys.signal) == 0
+    assert redis_client.zcard(queue.keys.wake) == 0
 
 
 def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_nothing(queue, redis_client):
     """Reclaim runs every few seconds on every consumer: when nothing expired it only reads."""
     queue.publish([message("a")])
     queue.claim()
-    redis_client.delete(queue.keys.seq)
-    redis_client.hset(queue.keys.seq, "not", "a string")
+    redis_client.delete(queue.keys.counters)
+    redis_client.hset(queue.keys.counters, "not", "a string")
     before = snapshot(redis_client)
     assert queue.reclaim_all() == (0, 0)  # the lease has not expired: nothing to write, nothing checked
     wait_expired(queue)
@@ -549,7 +667,25 @@ def test_reclaim_with_expired_leases_checks_its_keys_and_an_idle_one_writes_noth
 
 # -- arguments, includes and key roles ------------------------------------------------------
 
-NOT_NUMBERS = ["nan", "inf", "-inf", "1e400", "1.5", "", "x"]
+#: Texts Lua's tonumber() reads as a number but that are no canonical integer ("-0" was stored as "-0",
+#: which no reader parses), and texts that are no number at all.
+NOT_NUMBERS = [
+    "nan",
+    "inf",
+    "-inf",
+    "1e400",
+    "1.5",
+    "",
+    "x",
+    "-0",
+    "-0.0",
+    "5.0",
+    "05",
+    "+5",
+    " 5",
+    "1e2",
+    "0x10",
+]
 
 
 def _call(queue, script: str, args: list, **per_call):
@@ -560,25 +696,26 @@ def _call(queue, script: str, args: list, **per_call):
 @pytest.mark.parametrize(
     ("script", "args", "position"),
     [
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 4),  # the message's priority
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 5),  # its delay
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 6),  # its dedup window
-        ("publish", [64, 0, "m", "{}", 0, 0, 0], 1),  # the queue ttl
-        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 1),  # the lease
-        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 0),  # the count
-        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0], 9),  # the queue ttl
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 3),  # the message's priority
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 4),  # its delay
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 5),  # its dedup window
+        ("publish", [0, "m", "{}", 0, 0, 0, "p"], 0),  # the queue ttl
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 1),  # the lease
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 0),  # the count
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 9),  # the queue ttl
+        ("claim", [1, 30_000, "c1", 60_000, 0, 100, 5, 10, 100, 0, 1], 10),  # wake the next
         ("ack", [60_000, 0, "a", "1", ""], 0),
         ("extend", [30_000, 0, "a", "1", ""], 0),
         ("extend", [30_000, 0, "a", "1", ""], 1),
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 2),  # the delay
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 3),  # the token floor
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 6),  # the queue ttl
-        ("requeue", [5, 1, 0, 0, 64, "", 0, "a", "1", ""], 8),  # the token
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 2),  # the delay
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 3),  # the token floor
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 5),  # the queue ttl
+        ("requeue", [5, 1, 0, 0, "", 0, "a", "1", ""], 7),  # the token
         ("dead_letter", ["why", 0, "a", "1", ""], 1),
-        ("reclaim", [5, 10, 100, 64, 30_000, 0], 4),
-        ("reclaim", [5, 10, 100, 64, 30_000, 0], 5),
-        ("revive", [1, 64, 0, "a", "1", ""], 1),
-        ("revive", [1, 64, 0, "a", "1", ""], 2),
+        ("reclaim", [5, 10, 100, 30_000, 0], 3),
+        ("reclaim", [5, 10, 100, 30_000, 0], 4),
+        ("revive", [1, 0, "a", "1", ""], 0),
+        ("revive", [1, 0, "a", "1", ""], 1),
         ("purge", [100], 0),
     ],
 )
@@ -621,8 +758,8 @@ def test_each_script_header_names_its_keys_in_the_order_python_sends_them():
         named = [
             role for _, role in sorted((int(i), r) for i, r in re.findall(r"KEYS\[(\d+)\]\s+(\w+)", header))
         ]
-        if name == "publish":  # the dedup key is KEYS[9+i], one per message
-            assert named == list(roles[:-1]) and "KEYS[9+i] dedup" in header
+        if name == "publish":  # the dedup key is KEYS[10+i], one per message
+            assert named == list(roles[:-1]) and "KEYS[10+i] dedup" in header
         else:
             assert named == list(roles), name
 

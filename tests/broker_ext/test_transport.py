@@ -19,6 +19,7 @@ from redis.crc import key_slot
 
 from broker_ext.keys import QueueKeys
 from lab.processes import REPO, wait_for
+from lab.proxy import FaultProxy
 from tests.broker_ext.behaviour import LEASE, both, drain, drain_once, publish
 
 
@@ -151,13 +152,38 @@ def test_a_late_ack_from_an_expired_delivery_cannot_lose_the_live_one(connect, b
     assert [b for b, _ in drain(other, queue, seconds=LEASE * 2)] == [{"n": 1}]
 
 
-@both("S6: a publish resent by the client (same task id) is queued twice")
-def test_a_resent_publish_of_the_same_task_is_stored_once(connect):
-    conn = connect()
+@both("S6: a publish retried after a lost reply (Kombu's ensure(), Celery's publish retry) is queued twice")
+def test_a_publish_retried_after_a_lost_reply_is_stored_once(transport, options, redis_server, redis_db):
+    """The proxy lets the write reach Redis and drops its reply; Producer.publish(retry=True) resends."""
     queue = Queue("resent", Exchange("resent"), routing_key="resent")
     headers = {"id": "task-42", "task": "charge", "retries": 0}
-    publish(conn, queue, {"n": 1}, {"n": 1}, headers=headers)
-    assert queue(conn.channel()).queue_declare().message_count == 1
+    policy = {"max_retries": 3, "interval_start": 0, "interval_step": 0.1}
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        scheme = "redis" if transport == "stock" else "fenced"
+        with Connection(f"{scheme}://127.0.0.1:{proxy.port}/{redis_db}", transport_options=options) as conn:
+            producer = Producer(conn.channel(), exchange=queue.exchange, routing_key="resent")
+            queue(producer.channel).declare()
+            producer.publish(
+                {"n": 0}
+            )  # Everything a publish needs is loaded: the next reply lost is its own.
+            proxy.lose_replies(1, ["LPUSH", "EVALSHA"])
+            producer.publish({"n": 1}, headers=headers, retry=True, retry_policy=policy)
+            assert proxy.stats.replies_lost == 1
+            assert queue(conn.channel()).queue_declare().message_count == 2
+
+
+@both()
+def test_a_task_id_published_again_is_a_new_message_as_on_stock(connect):
+    """Only a resend of one publish is absorbed: publishing a used task id again (a task re-sent with a
+    fixed task_id, a frozen signature applied twice) stores and delivers it, also while the first is live."""
+    conn = connect()
+    queue = Queue("reused", Exchange("reused"), routing_key="reused")
+    headers = {"id": "x", "task": "count", "retries": 0}
+    publish(conn, queue, {"n": 1}, headers=headers)
+    assert [body for body, _ in drain(conn, queue, seconds=1)] == [{"n": 1}]  # finished and acked
+    publish(conn, queue, {"n": 2}, {"n": 3}, headers=headers)  # after it finished, and twice more
+    assert queue(conn.channel()).queue_declare().message_count == 2
+    assert sorted(body["n"] for body, _ in drain(conn, queue, seconds=1)) == [2, 3]
 
 
 @both("S5: the unacked hash, its index and the queue live in different Cluster slots")

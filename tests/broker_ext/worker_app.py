@@ -2,7 +2,8 @@
 
 ``TEST_BROKER_URL`` is the broker (stock ``redis://`` or ``fenced://``),
 ``TEST_RECORD_URL`` a Redis database where every task run is recorded with the
-delivery it came from, ``TEST_TRANSPORT_OPTIONS`` JSON transport options.
+delivery it came from (and the result backend of the one task that keeps its
+result, :func:`chord_part`), ``TEST_TRANSPORT_OPTIONS`` JSON transport options.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_default_queue="tests",
     worker_consumer="broker_ext.worker:Consumer",
+    result_backend=os.environ.get("TEST_RECORD_URL", "redis://127.0.0.1:6379/14"),
 )
 
-_record = redis.Redis.from_url(os.environ.get("TEST_RECORD_URL", "redis://127.0.0.1:6379/14"))
+_record_client = redis.Redis.from_url(os.environ.get("TEST_RECORD_URL", "redis://127.0.0.1:6379/14"))
 
 
-@app.task(bind=True)
-def record_run(self, n: int, sleep: float = 0.0) -> None:
-    """Record the run (which delivery, which process), then take ``sleep`` seconds."""
-    properties = self.request.properties or {}
-    _record.rpush(
+def _record(request, n: int, sleep: float = 0.0) -> None:
+    """Record a run (which delivery, which process), then take ``sleep`` seconds."""
+    properties = request.properties or {}
+    _record_client.rpush(
         "runs",
         json.dumps(
             {
@@ -54,7 +55,20 @@ def record_run(self, n: int, sleep: float = 0.0) -> None:
         ),
     )
     time.sleep(sleep)
-    _record.rpush("finished", n)
+    _record_client.rpush("finished", n)
+
+
+@app.task(bind=True)
+def record_run(self, n: int, sleep: float = 0.0) -> None:
+    """Record the run (which delivery, which process), then take ``sleep`` seconds."""
+    _record(self.request, n, sleep)
+
+
+@app.task(bind=True, ignore_result=False)
+def chord_part(self, n: int) -> int:
+    """A chord's header task: recorded as :func:`record_run` records, its result kept for the chord."""
+    _record(self.request, n)
+    return n
 
 
 @app.task(bind=True)

@@ -1,7 +1,9 @@
 """The README's five-minute guide as data: its marked code blocks, in order, for the test that follows it.
 
 Each step of the guide is a fenced code block right after an HTML comment
-``<!-- guide: ACTION [PATH] -->``, invisible on GitHub and read only here:
+``<!-- guide: ACTION [PATH] -->``, invisible on GitHub and read only here.
+``<!-- guide postgresql: ACTION [PATH] -->`` marks a step for PostgreSQL only
+(the test follows it when it runs the guide on PostgreSQL, and skips it on SQLite).
 
 ``install``  one ``pip install`` line (the test installs the wheel it built in its place)
 ``run``      shell commands, one a line, run in order; ``cd`` moves on to a directory
@@ -20,7 +22,8 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ACTIONS = {"install", "run", "append", "write", "worker", "shell", "expect"}
-_STEP = re.compile(r"<!-- guide: (\w+)(?: (\S+))? -->\n```\w*\n(.*?)\n```", re.DOTALL)
+DATABASES = {"postgresql"}
+_STEP = re.compile(r"<!-- guide(?: (\w+))?: (\w+)(?: (\S+))? -->\n```\w*\n(.*?)\n```", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Step:
     action: str
     path: str | None
     text: str
+    database: str | None = None  # the one database the step is for (None: every database)
 
     @property
     def lines(self) -> list[str]:
@@ -50,8 +54,13 @@ class Step:
 def steps(text: str | None = None) -> list[Step]:
     """The guide's steps in order; raises ``ValueError`` on a marker this module does not know."""
     text = README.read_text() if text is None else text
-    found = [Step(action, path or None, body) for action, path, body in _STEP.findall(text)]
+    found = [
+        Step(action, path or None, body, database or None)
+        for database, action, path, body in _STEP.findall(text)
+    ]
     for step in found:
+        if step.database is not None and step.database not in DATABASES:
+            raise ValueError(f"unknown guide database {step.database!r} in README.md")
         if step.action not in ACTIONS:
             raise ValueError(f"unknown guide action {step.action!r} in README.md")
         if (step.action in {"append", "write"}) != (step.path is not None):

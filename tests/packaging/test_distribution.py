@@ -16,6 +16,8 @@ from tests.packaging.conftest import ROOT
 pytestmark = pytest.mark.packaging
 
 RUNTIME = {"celery", "kombu", "redis", "django", "django-redis", "rich", "prometheus-client"}
+#: What this repository's project (settings/) needs beyond the library: DATABASE_URL and PostgreSQL.
+PROJECT = {"dj-database-url", "psycopg"}
 
 
 def wheel_files(wheel: Path) -> set[str]:
@@ -44,19 +46,18 @@ def pins(path: Path) -> dict[str, str]:
     return found
 
 
-def test_the_wheel_holds_both_packages_with_their_lua_scripts_sql_templates_and_migrations(wheel):
+def test_the_wheel_holds_both_packages_with_their_lua_scripts_templates_sql_and_migrations(wheel):
     files = wheel_files(wheel)
     data = [
         *(ROOT / "broker_ext" / "lua").rglob("*.lua"),
-        *(ROOT / "queueapp" / "records" / "sql").rglob("*.sql"),
         *(ROOT / "queueapp" / "templates").rglob("*.html"),
         *(path for path in (ROOT / "queueapp" / "static").rglob("*") if path.is_file()),
         *(ROOT / "queueapp" / "migrations").glob("*.py"),
+        *(ROOT / "queueapp" / "records" / "sql").rglob("*.sql"),
     ]
     missing = sorted(str(path.relative_to(ROOT)) for path in data if str(path.relative_to(ROOT)) not in files)
     assert missing == []
     assert "broker_ext/lua/include/server_time.lua" in files
-    assert "queueapp/records/sql/include/claim_rule.sql" in files
 
 
 def test_the_wheel_leaves_out_the_lab_the_settings_and_the_tests(wheel):
@@ -76,6 +77,15 @@ def test_requirements_txt_pins_versions_the_package_accepts(wheel):
     for requirement in requires(wheel):
         name = canonicalize_name(requirement.name)
         assert requirement.specifier.contains(pinned[name]), f"{name}=={pinned[name]} vs {requirement}"
+
+
+def test_requirements_txt_is_the_library_set_and_the_projects_own_and_dev_adds_only_tools(wheel):
+    """requirements.txt runs this repository's manage.py; requirements-dev.txt re-pins none of it."""
+    library = {canonicalize_name(r.name) for r in requires(wheel)}
+    assert set(pins(ROOT / "requirements.txt")) == library | PROJECT
+    dev = ROOT / "requirements-dev.txt"
+    assert "-r requirements.txt" in dev.read_text().splitlines()
+    assert set(pins(dev)) & set(pins(ROOT / "requirements.txt")) == set()
 
 
 def test_requirements_lowest_txt_pins_exactly_the_lower_bounds_the_package_claims(wheel):

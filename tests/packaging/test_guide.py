@@ -13,6 +13,10 @@ dependencies (default: ``requirements.txt``, the versions CI pins);
 ``bin/test``'s lowest-versions stage sets it to ``requirements-lowest.txt``.
 ``GUIDE_PYTHON`` is the virtualenv's interpreter (default: this one); the
 newer-Pythons stage sets it to each newer Python.
+
+With ``DATABASE_URL`` pointing at PostgreSQL (``bin/test``'s PostgreSQL pass)
+the test follows the guide's PostgreSQL steps too, on a new database of that
+server, which it drops afterwards; otherwise it skips them (SQLite).
 """
 
 from __future__ import annotations
@@ -26,20 +30,19 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import dj_database_url
 import pytest
 from packaging.requirements import Requirement
 
 from lab.processes import wait_for
-from lab.redis_servers import RedisServer
 from tests.packaging import guide
-from tests.packaging.conftest import ROOT
+from tests.packaging.conftest import ROOT, Project
 
-pytestmark = [pytest.mark.slow, pytest.mark.packaging, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.packaging, pytest.mark.postgres_too, pytest.mark.timeout(600)]
 
 GUIDE_REDIS = "127.0.0.1:6379"
-#: Variables of this test run that must not leak into the new project's processes.
-PROJECT_UNSAFE_ENV = ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "QUEUEAPP_VAR_DIR", "DATABASE_URL", "REDIS_URL")
-COMMAND_TIMEOUT = 300
+#: The PostgreSQL database the guide names, replaced by one of this test's own.
+GUIDE_POSTGRESQL = 'NAME="shop", USER="postgres", HOST="127.0.0.1"'
 WORKER_READY_TIMEOUT = 60
 SETTLE_TIMEOUT = 60
 
@@ -55,6 +58,9 @@ while _time.monotonic() < _deadline:
     _time.sleep(0.2)
 print("--- guide output ---")
 """
+
+#: Which database the project ran on, read by the test itself.
+ENGINE = "from django.db import connection; print(connection.settings_dict['ENGINE'])"
 
 #: What the project's database holds afterwards, read by the test itself.
 REPORT = """
@@ -85,41 +91,32 @@ def constraints_file(tmp_path: Path) -> Path:
     return out
 
 
-class Project:
-    """A virtualenv and the directory the guide's commands run in, outside the checkout."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.venv = root / "venv"
-        self.cwd = root
-        self.env = {name: value for name, value in os.environ.items() if name not in PROJECT_UNSAFE_ENV}
-        self.env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{self.env.get('PATH', '')}"
-        self.env["VIRTUAL_ENV"] = str(self.venv)
-
-    def run(self, command: list[str], **kwargs) -> subprocess.CompletedProcess:
-        """Run ``command`` in the project's directory and virtualenv; fail with its output if it fails."""
-        result = subprocess.run(
-            command,
-            cwd=self.cwd,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT,
-            **kwargs,
-        )
-        assert result.returncode == 0, f"{shlex.join(command)} failed:\n{result.stdout}\n{result.stderr}"
-        return result
-
-    def python(self, *args: str) -> subprocess.CompletedProcess:
-        return self.run([str(self.venv / "bin" / "python"), *args])
-
-
 @pytest.fixture
-def private_redis() -> Iterator[RedisServer]:
-    """A Redis the guide's project may use; AOF on, so that the persistence check has nothing to say."""
-    server = RedisServer(appendonly=True).start()
-    yield server
-    server.cleanup()
+def guide_database() -> Iterator[str | None]:
+    """``None`` on SQLite; on PostgreSQL, what the guide's settings line should name instead of its own.
+
+    A new database on the server of ``DATABASE_URL``, dropped after the test
+    (requested before the workers, so it is dropped after they stop).
+    """
+    url = os.environ.get("DATABASE_URL", "")
+    if not url.startswith("postgres"):
+        yield None
+        return
+    import psycopg
+
+    config = dj_database_url.parse(url)
+    name = f"guide_{os.getpid()}"
+    admin = psycopg.connect(url.replace("postgres://", "postgresql://", 1), autocommit=True)
+    admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield (
+            f'NAME="{name}", USER="{config["USER"]}", HOST="{config["HOST"] or "127.0.0.1"}", '
+            f'PORT={config["PORT"] or 5432}, PASSWORD="{config["PASSWORD"] or ""}"'
+        )
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
 
 
 @pytest.fixture
@@ -140,18 +137,18 @@ def worker_processes() -> Iterator[list[subprocess.Popen]]:
 class GuideRunner:
     """Does what each marked block of the guide says: one method per action (tests.packaging.guide)."""
 
-    def __init__(self, tmp_path: Path, wheel: Path, workers: list[subprocess.Popen]) -> None:
+    def __init__(self, tmp_path: Path, wheel: Path, workers: list[subprocess.Popen], database: str) -> None:
         self.tmp_path = tmp_path
         self.wheel = wheel
         self.workers = workers
-        self.project = Project(tmp_path)
+        self.database = database
+        self.project = Project(tmp_path, os.environ.get("GUIDE_PYTHON", sys.executable))
         self.worker_log = tmp_path / "worker.log"
         self.shell_session: list[str] = []
-        python = os.environ.get("GUIDE_PYTHON", sys.executable)
-        subprocess.run([python, "-m", "venv", str(self.project.venv)], check=True, timeout=COMMAND_TIMEOUT)
 
     def follow(self, step: guide.Step, text: str) -> None:
-        getattr(self, step.action)(step, text)
+        if step.database in (None, self.database):
+            getattr(self, step.action)(step, text)
 
     def install(self, step: guide.Step, text: str) -> None:
         (line,) = step.lines
@@ -167,6 +164,8 @@ class GuideRunner:
             if command[0] == "cd":
                 self.project.cwd = self.project.cwd / command[1]
                 continue
+            if command[:2] == ["pip", "install"]:
+                command += ["--quiet", "--constraint", str(constraints_file(self.tmp_path))]
             result = self.project.run(command)
             if command[-1] == "check":
                 assert "System check identified no issues" in result.stdout + result.stderr, result.stderr
@@ -206,16 +205,22 @@ class GuideRunner:
         assert printed == step.expected_output, result.stdout + result.stderr
 
 
-def test_the_five_minute_guide_runs_a_task_sent_twice_once(tmp_path, wheel, private_redis, worker_processes):
+def test_the_five_minute_guide_runs_a_task_sent_twice_once(
+    tmp_path, wheel, private_redis, guide_database, worker_processes
+):
     steps = guide.steps()
     assert [step.action for step in steps].count("worker") == 1
     guide_text = "\n".join(step.text for step in steps)
     assert GUIDE_REDIS in guide_text, "the guide no longer names the Redis address this test replaces"
+    assert GUIDE_POSTGRESQL in guide_text, "the guide no longer names the database this test replaces"
     redis_address = f"127.0.0.1:{private_redis.port}"
 
-    runner = GuideRunner(tmp_path, wheel, worker_processes)
+    runner = GuideRunner(tmp_path, wheel, worker_processes, "postgresql" if guide_database else "sqlite")
     for step in steps:
-        runner.follow(step, step.text.replace(GUIDE_REDIS, redis_address))
+        text = step.text.replace(GUIDE_REDIS, redis_address)
+        runner.follow(step, text.replace(GUIDE_POSTGRESQL, guide_database or GUIDE_POSTGRESQL))
+    engine = runner.project.python("manage.py", "shell", "--command", ENGINE).stdout.splitlines()[-1]
+    assert engine == f"django.db.backends.{runner.database.replace('sqlite', 'sqlite3')}"
 
     # The last line: Django 5.2's shell first says which models it imported.
     report = json.loads(

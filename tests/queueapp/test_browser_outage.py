@@ -3,8 +3,10 @@
 The broker and the cache are on a redis-server of the test's own; the test
 stops it, starts it again, and pauses it (SIGSTOP), and after each step opens
 every admin page: each loads within a few seconds with one banner naming the
-Redis address, and the database's rows are still there. The changelist fits
-a 1440 px wide window without horizontal scrolling.
+Redis address, in the same place on every page, and the database's rows are
+still there; Charts and Workers say what is unknown and show what the
+database knows. The changelist fits a 1440 px wide window without horizontal
+scrolling.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def pages(incident: dict) -> dict[str, str]:
         "stuck": reverse("admin:queueapp_taskoutcome_stuck"),
         "duplicates": reverse("admin:queueapp_taskoutcome_duplicates"),
         "queues": reverse("admin:queueapp_taskoutcome_queues"),
+        "charts": reverse("admin:queueapp_taskoutcome_charts"),
+        "workers": reverse("admin:queueapp_taskoutcome_workers"),
     }
 
 
@@ -49,6 +53,16 @@ def open_page(page, url: str) -> float:
 
 def banner(page) -> str:
     return page.locator("#broker-outage").inner_text() if page.locator("#broker-outage").count() else ""
+
+
+def banner_place(page) -> tuple[str, int, int]:
+    """Where the banner is: its parent element and its position on the page."""
+    return tuple(
+        page.evaluate(
+            "() => { const b = document.querySelector('#broker-outage'), r = b.getBoundingClientRect();"
+            " return [b.parentElement.id, Math.round(r.left), Math.round(r.top + window.scrollY)]; }"
+        )
+    )
 
 
 def test_every_page_loads_with_the_banner_while_redis_is_stopped_and_while_it_is_paused(
@@ -95,14 +109,24 @@ def test_every_page_loads_with_the_banner_while_redis_is_stopped_and_while_it_is
             open_page(page, live_server.url + urls["queues"])
             assert banner(page) == ""  # Redis is back: the page reads it again
             server.pause()
+        places = {}
         for name, url in urls.items():
             elapsed = open_page(page, live_server.url + url)
             text = banner(page)
             assert expected in text and text.endswith("broker columns unknown"), (outage, name, text)
             assert page.locator("#broker-outage").count() == 1
+            places[name] = banner_place(page)
             assert elapsed < BOUND_S, f"{name} took {elapsed:.1f} s while Redis was {outage}"
             if name in ("changelist", "stuck", "detail"):
                 assert incident["stuck"].key in page.content()
+        assert len(set(places.values())) == 1, places  # one place, whatever the page
+        page.goto(live_server.url + urls["workers"])
+        assert page.locator("#workers-unknown").count() == 1  # and what the database knows:
+        assert page.locator("#running-by-worker").get_by_text("worker-gone@test").count() == 1
+        page.goto(live_server.url + urls["charts"])
+        assert page.locator("#chart-depths .qa-unknown").count() == 1
+        # The one chart the database can draw: suppressed duplicates and stale refusals, from its log.
+        page.wait_for_function("window.queueappCharts && window.queueappCharts.length === 1")
         page.goto(live_server.url + urls["changelist"])
         assert page.locator("#result_list .qa-unknown", has_text="broker: unknown").count() >= 1
         if outage == "paused":

@@ -13,7 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "queueapp"
 #: The operator's side: pages, actions, reads for people, ``/metrics`` and the commands.
-OPERATOR = ("queueapp.ops", "queueapp.admin", "queueapp.metrics", "queueapp.management", "queueapp.urls")
+OPERATOR = (
+    "queueapp.ops",
+    "queueapp.admin",
+    "queueapp.metrics",
+    "queueapp.management",
+    "queueapp.urls",
+    "queueapp.templatetags",
+)
 
 
 def module_name(path: Path) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from broker_ext.errors import Reply
+from broker_ext.messages import PUBLISH_ID, derived_publish_id, task_message_id
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage, Place
 from lab.processes import wait_for
@@ -94,10 +95,18 @@ def test_requeueing_twice_stores_the_message_once(app, queue, effects):
 
 
 def test_a_resent_republish_of_the_same_retry_is_a_no_op_at_the_broker(app, queue):
+    """A requeue names its publish after the message it sends (task id and retry number): a second
+    requeue racing the first, or a client retry of it, is the same publish, stored once."""
     failed = scenarios.failed(queue, "resent")
     actions.requeue(app, [failed.outcome()])
-    # The same publish again (a client retry): same task id and retry number, stored once.
-    app.send_task(demo_tasks.effect.name, args=["resent"], task_id=failed.task_id, retries=1)
+    publish_id = derived_publish_id("requeue", queue.name, task_message_id(failed.task_id, 1))
+    app.send_task(
+        demo_tasks.effect.name,
+        args=["resent"],
+        task_id=failed.task_id,
+        retries=1,
+        headers={PUBLISH_ID: publish_id},
+    )
     stats = queue.stats()
     assert (stats.ready, stats.counters.get("duplicate_publishes")) == (1, 1)
 

@@ -39,6 +39,14 @@ def wait_for(condition, bound: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def answers(app) -> bool:
+    """Whether a bounded read of the broker succeeds now."""
+    try:
+        return len(queues.queue_stats(app, ["celery"])) == 1
+    except BrokerUnavailable:
+        return False
+
+
 def timed_failure(call) -> tuple[float, BrokerUnavailable]:
     started = time.monotonic()
     with pytest.raises(BrokerUnavailable) as raised:
@@ -66,14 +74,7 @@ def test_the_broker_is_read_again_once_it_answers(own_redis) -> None:
     server.pause()
     timed_failure(lambda: queues.queue_stats(app, ["celery"]))
     server.resume()
-
-    def answers() -> bool:
-        try:
-            return len(queues.queue_stats(app, ["celery"])) == 1
-        except BrokerUnavailable:
-            return False
-
-    wait_for(answers)
+    wait_for(lambda: answers(app))
     assert broker_reads.current_outage(f"127.0.0.1:{server.port}") is None
 
 
@@ -85,3 +86,31 @@ def test_a_stopped_redis_is_unavailable_with_its_address(own_redis) -> None:
     elapsed, error = timed_failure(lambda: queues.queue_stats(app, ["celery"]))
     assert elapsed < 4 * TIMEOUT + 1.0
     assert f"Redis at 127.0.0.1:{server.port} unreachable since" in str(error)
+
+
+@pytest.mark.django_db
+def test_a_new_outage_after_redis_recovered_says_since_its_own_start(own_redis) -> None:
+    """Paused, back, paused again: the second outage is not dated from the first pause."""
+    app, server = own_redis
+    server.pause()
+    _, first = timed_failure(lambda: queues.queue_stats(app, ["celery"]))
+    server.resume()
+    wait_for(lambda: answers(app))  # a read that succeeds ends the outage
+    server.pause()
+    _, second = timed_failure(lambda: queues.queue_stats(app, ["celery"]))
+    assert second.since > first.since
+
+
+@pytest.mark.django_db
+def test_an_outage_read_again_only_after_a_long_gap_starts_anew(own_redis, monkeypatch) -> None:
+    """No read for longer than OUTAGE_GAP_FACTOR timeouts: nothing says Redis stayed unreachable meanwhile."""
+    app, server = own_redis
+    monkeypatch.setattr(broker_reads, "OUTAGE_GAP_FACTOR", 4)  # a 2 s gap: the test's own time
+    server.pause()
+    _, first = timed_failure(lambda: queues.queue_stats(app, ["celery"]))
+    time.sleep(broker_reads.OUTAGE_GAP_FACTOR * TIMEOUT + 0.2)
+    _, later = timed_failure(lambda: queues.queue_stats(app, ["celery"]))
+    assert later.since > first.since
+    time.sleep(2.5 * TIMEOUT)  # past the remembered window, within the gap: the same outage
+    _, same = timed_failure(lambda: queues.queue_stats(app, ["celery"]))
+    assert same.since == later.since

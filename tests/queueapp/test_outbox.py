@@ -80,10 +80,16 @@ def test_the_outbox_relays_after_redis_comes_back(restartable_redis, settings):
     assert json.loads(out.getvalue().splitlines()[-1])["sent"] == 1
     assert OutboxMessage.objects.get(task_id=task_id).status == OutboxMessage.Status.SENT
     assert queue.stats().ready == 1
-    # A relay that crashed before marking the row sent publishes it again: stored once.
+    # A relay that crashed before marking the row sent publishes it again: stored once, also once
+    # the first copy ran (acked within the transport's dedup window).
     OutboxMessage.objects.update(status=OutboxMessage.Status.PENDING, available_at=row.created_at)
     assert relay_outbox().sent == [task_id]
     assert queue.stats().ready == 1
+    (claimed,) = queue.claim(1)
+    queue.ack([claimed.delivery])
+    OutboxMessage.objects.update(status=OutboxMessage.Status.PENDING, available_at=row.created_at)
+    assert relay_outbox().sent == [task_id]
+    assert queue.stats().ready == 0 and queue.stats().counters["duplicate_publishes"] == 2
 
 
 def test_the_dry_run_lists_due_rows_and_publishes_nothing(queue, restartable_redis):

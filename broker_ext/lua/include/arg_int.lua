@@ -1,10 +1,12 @@
 -- arg_int(value, what, min, max): value as a whole number in [min, max], or refuse with FENCED BADARG.
--- Lua's tonumber() accepts "nan", "inf" and "1e400": a finite whole number in range is checked here,
--- before the script's first write, so a bad argument can never leave a half-written message.
+-- Only the canonical decimal text of an integer passes ("42", "-7", "0"): Lua's tonumber() also takes
+-- "nan", "inf", "1e400", "5.0", " 5", "0x10" and "-0", and a "-0" would be written back as "-0", which
+-- no reader parses. The text must be what %.0f prints for its number (no leading zeros, no sign on
+-- zero, exact below 2^53), checked before the script's first write, so a bad argument can never
+-- leave a half-written message.
 local function arg_int(value, what, min, max)
-  local n = tonumber(value)
-  if n == nil or n ~= n or n == math.huge or n == -math.huge or n ~= math.floor(n)
-      or n < min or n > max then
+  local n = type(value) == 'string' and string.match(value, '^%-?%d+$') and tonumber(value)
+  if not n or value == '-0' or string.format('%.0f', n) ~= value or n < min or n > max then
     error({err = 'FENCED BADARG ' .. what .. ' must be a whole number in [' .. string.format('%.0f', min)
       .. ', ' .. string.format('%.0f', max) .. '], got ' .. tostring(value)})
   end

@@ -1,5 +1,6 @@
 -- reclaim_expired(k, now_ms, limit, lease, limits): expired leases (by server time) back to ready,
--- or to the dead-letter set. k names the keys {leases, state, ready, seq, dead, reasons, reclaims};
+-- or to the dead-letter set. k names the keys {leases, state, ready, counters, seq, dead, reasons,
+-- reclaims} (seq: the sequence an earlier version kept);
 -- limits is {max_deliveries, max_interruptions}. A delivery whose lease its worker had extended
 -- (the deadline is past the one the claim set: the worker was alive and holding it, then stopped)
 -- counts as interrupted; one never extended (its worker stopped at once, as a poison message makes
@@ -47,7 +48,7 @@ local function reclaim_expired(k, now_ms, now_us, limit, lease, limits)
         reason = 'lease expired on delivery ' .. s.deliveries .. ', interrupted ' .. s.interrupted
           .. ' times (max_interruptions ' .. limits[2] .. ')'
       else
-        make_ready(k.ready, k.seq, e.id, s.priority, true)
+        make_ready(k.ready, k.counters, k.seq, e.id, s.priority, true)
         result.reclaimed = result.reclaimed + 1
       end
       redis.call('HSET', k.state, e.id, format_state(s))

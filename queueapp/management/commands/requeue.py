@@ -6,24 +6,19 @@ import argparse
 import getpass
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 from celery import current_app
 from django.core.management.base import BaseCommand, CommandError
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from queueapp.broker_reads import bounded_channel, known_queues
 from queueapp.errors import BrokerUnavailable
 from queueapp.management.commands.diagnose import write_diagnosis
 from queueapp.management.names import broker_error, check_keys, check_queues, check_task
+from queueapp.management.progress import progress_bar
 from queueapp.ops import actions
 from queueapp.ops.diagnosis import diagnose_outcomes
 from queueapp.ops.selection import STATUS_CHOICES, parse_duration, select_outcomes
 
-#: Runs of at least this many keys or messages show a progress bar (on stderr).
-PROGRESS_THRESHOLD = 20
 #: Where the actions record a command's changes as made from.
 VIA = "manage.py requeue"
 
@@ -89,7 +84,7 @@ class Command(BaseCommand):
                         queue=options["queue"],
                     )
                 )
-                with self._progress(len(outcomes), "requeueing") as tick:
+                with progress_bar(self.stderr, len(outcomes), "requeueing") as tick:
                     results = actions.requeue(
                         app,
                         outcomes,
@@ -110,21 +105,10 @@ class Command(BaseCommand):
         with bounded_channel(app) as channel:
             names = [queue] if queue else known_queues(app, channel)
             total = sum(channel.fenced_queue(name).stats().dead for name in names)
-        with self._progress(total, "requeueing dead letters") as tick:
+        with progress_bar(self.stderr, total, "requeueing dead letters") as tick:
             return actions.requeue_dead_letters_of_queues(
                 app, dict.fromkeys(names), dry_run=dry_run, progress=tick, actor=operator(), via=VIA
             )
-
-    @contextmanager
-    def _progress(self, total: int, label: str) -> Iterator[Callable[[], None] | None]:
-        """A rich progress bar on stderr for long runs; yields the per-item callback (or ``None``)."""
-        if total < PROGRESS_THRESHOLD:
-            yield None
-            return
-        columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=Console(file=self.stderr)) as progress:
-            task = progress.add_task(label, total=total)
-            yield lambda: progress.advance(task)
 
     def _report(
         self, results: list[actions.ActionResult], *, dry_run: bool, as_json: bool, diagnoses=()
