@@ -38,8 +38,8 @@ def is_postgres() -> bool:
 def body_started(key: str) -> bool:
     """Whether a worker started the body of ``key`` (a demo task, which says so in the cache).
 
-    The database cannot always tell: a held delivery (:mod:`queueapp.held`)
-    writes nothing before its verdict.
+    The database cannot always tell: a delivery whose key claim is written with
+    its success (:mod:`queueapp.execution`) writes nothing before its verdict.
     """
     from django.core.cache import cache
 

@@ -1,4 +1,4 @@
-"""The held path: a delivery's claim, body and success in one transaction (:mod:`queueapp.held`).
+"""A key claim written with its success: claim, body and success in one transaction (queueapp.execution).
 
 Every test runs a delivery through :func:`queueapp.execution.execute`, as a
 worker does, and reads what was committed: on SQLite (``transaction_mode``
