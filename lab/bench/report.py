@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from lab.bench import cluster_level
 from lab.bench.core import DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
 
 LEVEL_TITLES = {
@@ -24,6 +25,10 @@ LEVEL_TITLES = {
     "celery": "Celery level (real worker processes, lab.noop)",
     "exactly_once": "Exactly-once level (lab.noop_exactly_once against the hand-written lab.noop_idempotent)",
     "scaling": "Scaling (depth, reclaim, memory)",
+    "cluster": (
+        "Redis Cluster (3 masters, one logical queue; Redis CPU of each master's main thread,"
+        " less its idle CPU, per task)"
+    ),
     "redis": (
         "Redis load (ops counted by INFO commandstats, script-internal commands included;"
         " CPU per message from INFO cpu, main thread)"
@@ -108,6 +113,48 @@ def _flatness(prefix: str, detail: str) -> Callable[[dict[str, Measurement]], fl
     return value
 
 
+def _cluster_spread(mode: str) -> Callable[[dict[str, Measurement]], float | None]:
+    """How far the busiest or idlest master is from an even share of a sharded queue's Redis CPU."""
+    sharded = cluster_level.system(max(cluster_level.SHARDS))
+    return lambda figures: figures[f"cluster.cpu.{mode}"].details[sharded]["spread"]
+
+
+def _cluster_cost(mode: str) -> Callable[[dict[str, Measurement]], float | None]:
+    """The sharded queue's Redis CPU per task, summed over the masters, over the unsharded queue's."""
+    unsharded, sharded = (
+        cluster_level.system(n) for n in (min(cluster_level.SHARDS), max(cluster_level.SHARDS))
+    )
+    return lambda figures: (
+        figures[f"cluster.cpu.{mode}"].values[sharded] / figures[f"cluster.cpu.{mode}"].values[unsharded]
+    )
+
+
+def _cluster_targets() -> tuple[Target, ...]:
+    """One hot queue over the masters of a cluster (issue 26): an even load, at little extra cost."""
+    shards = max(cluster_level.SHARDS)
+    targets = []
+    for mode, label, _ in cluster_level.MODES:
+        targets += [
+            Target(
+                f"cluster spread, {label}",
+                f"queue_shards {shards}: every master within "
+                f"±{cluster_level.SPREAD_LIMIT:.0%} of an even share of the Redis CPU",
+                cluster_level.SPREAD_LIMIT,
+                _cluster_spread(mode),
+                at_most=True,
+            ),
+            Target(
+                f"cluster CPU per task, {label}",
+                f"queue_shards {shards}, summed over masters: at most "
+                f"{cluster_level.COST_LIMIT}x queue_shards 1",
+                cluster_level.COST_LIMIT,
+                _cluster_cost(mode),
+                at_most=True,
+            ),
+        ]
+    return tuple(targets)
+
+
 def _exactly_once_targets() -> tuple[Target, ...]:
     """The exactly-once layer against the hand-written idempotent task, per database (issue 11)."""
     targets = []
@@ -184,6 +231,7 @@ TARGETS = (
         at_most=True,
     ),
     *_exactly_once_targets(),
+    *_cluster_targets(),
 )
 
 
@@ -249,6 +297,12 @@ def level_rows(figures: list[Measurement]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+#: Levels whose table is not stock against fenced: their own rows.
+LEVEL_ROWS: dict[str, Callable[[list[Measurement]], tuple[list[str], list[list[str]]]]] = {
+    "cluster": cluster_level.table_rows,
+}
+
+
 def target_rows(targets: list[dict]) -> tuple[list[str], list[list[str]]]:
     rows = [
         [
@@ -289,7 +343,8 @@ def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> str:
 def tables(run: BenchRun) -> list[tuple[str, list[str], list[list[str]]]]:
     """Every table of the run: one per level that ran, then the targets."""
     result = [
-        (LEVEL_TITLES.get(level, level), *level_rows(figures)) for level, figures in by_level(run).items()
+        (LEVEL_TITLES.get(level, level), *LEVEL_ROWS.get(level, level_rows)(figures))
+        for level, figures in by_level(run).items()
     ]
     return [*result, ("Targets (ratios within this run)", *target_rows(evaluate_targets(run)))]
 

@@ -14,7 +14,15 @@ from django.core.management.base import BaseCommand, CommandError
 from rich.console import Console
 
 import broker_ext  # noqa: F401  (registers fenced://)
-from lab.bench import celery_level, dramatiq_level, exactly_once_level, kombu_level, redis_load, scaling
+from lab.bench import (
+    celery_level,
+    cluster_level,
+    dramatiq_level,
+    exactly_once_level,
+    kombu_level,
+    redis_load,
+    scaling,
+)
 from lab.bench import report as bench_report
 from lab.bench.core import BenchRun, Sizes
 from lab.redis_servers import RedisServer
@@ -25,6 +33,7 @@ LEVELS = {
     "celery": (celery_level.run_level,),
     "exactly_once": (exactly_once_level.run_level,),
     "scaling": (scaling.run_level,),
+    "cluster": (cluster_level.run_level,),
     "redis": (redis_load.run_level,),
 }
 
