@@ -121,12 +121,7 @@ def _cluster_spread(mode: str) -> Callable[[dict[str, Measurement]], float | Non
 
 def _cluster_cost(mode: str) -> Callable[[dict[str, Measurement]], float | None]:
     """The sharded queue's Redis CPU per task, summed over the masters, over the unsharded queue's."""
-    unsharded, sharded = (
-        cluster_level.system(n) for n in (min(cluster_level.SHARDS), max(cluster_level.SHARDS))
-    )
-    return lambda figures: (
-        figures[f"cluster.cpu.{mode}"].values[sharded] / figures[f"cluster.cpu.{mode}"].values[unsharded]
-    )
+    return lambda figures: cluster_level.sharded_ratio(figures[f"cluster.cpu.{mode}"])
 
 
 def _cluster_targets() -> tuple[Target, ...]:
