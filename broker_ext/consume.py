@@ -31,7 +31,7 @@ from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
 from broker_ext.qos import NOT_RUN, PendingAcks
-from broker_ext.queue import new_claim_id
+from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
 
@@ -42,16 +42,19 @@ Empty = kombu_redis.Empty
 
 @dataclass(frozen=True)
 class PendingClaim:
-    """A claim on its way, with the buffered acks that travel ahead of it in the same round trip."""
+    """A claim on its way (one call per shard asked), with the buffered acks that travel ahead of it
+    in the same round trip (one per node)."""
 
     queue: str
     count: int
     acks: PendingAcks
-    claim: ScriptCall
+    claims: list[ScriptCall]
+    #: The shards of the queue this claim did not ask (a sharded queue and a small count).
+    unasked: list[FencedQueue]
 
     @property
     def calls(self) -> list[ScriptCall]:
-        return [*self.acks.calls, self.claim]
+        return [*self.acks.calls, *self.claims]
 
 
 class Consuming:
@@ -104,24 +107,44 @@ class Consuming:
         except self.connection_errors:
             self.qos.buffer_acks(pending.acks.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
             raise
-        return self._claimed_payloads(pending, results)
+        payloads = self._claimed_payloads(pending, results)
+        claimed = self._claimed_count
+        for shard in pending.unasked:  # The shards asked had too little: ask the others, one by one.
+            if claimed >= count:
+                break
+            pending = PendingClaim(
+                queue, count - claimed, PendingAcks({}, []), [self._shard_claim(shard, count - claimed)], []
+            )
+            payloads += self._claimed_payloads(pending, self.run_calls(pending.calls))
+            claimed += self._claimed_count
+        return payloads
 
     def _claim_calls(self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool) -> PendingClaim:
         """The buffered acks (taken from the QoS) and a claim, as calls for one round trip."""
         if no_ack is None:
             no_ack = queue in self._no_ack_queues
-        claim = self.fenced_queue(queue).claim_call(count, no_ack=no_ack, wake_next=wake_next)
-        return PendingClaim(queue, count, self.qos.pending_acks(), claim)
+        fenced = self.fenced_queue(queue)
+        plan = fenced.claim_plan(count)
+        claims = [shard.claim_call(share, no_ack=no_ack, wake_next=wake_next) for shard, share in plan]
+        unasked = [shard for shard in fenced.shards if shard not in {s for s, _ in plan}]
+        return PendingClaim(queue, count, self.qos.pending_acks(), claims, unasked)
+
+    def _shard_claim(self, shard: FencedQueue, count: int) -> ScriptCall:
+        return shard.claim_call(count, no_ack=shard.name in self._no_ack_queues, wake_next=True)
 
     def _claimed_payloads(self, pending: PendingClaim, results: list) -> list[dict]:
         """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full."""
-        *ack_replies, claimed = results
-        self.qos.settle_acks(pending.acks, ack_replies)
-        if isinstance(claimed, ScriptRefused):
-            logger.error("claim on %r refused; the queue's keys need an operator: %s", pending.queue, claimed)
-            claimed = []
-        elif isinstance(claimed, Exception):
-            raise claimed
+        acked = len(pending.acks.calls)
+        self.qos.settle_acks(pending.acks, results[:acked])
+        claimed: list[Claimed] = []
+        for result in results[acked:]:
+            if isinstance(result, ScriptRefused):
+                logger.error("claim on %r refused; its keys need an operator: %s", pending.queue, result)
+            elif isinstance(result, Exception):
+                raise result
+            else:
+                claimed += result
+        self._claimed_count = len(claimed)
         # A full claim means more may be waiting: the next poll claims directly instead of blocking.
         self._more_ready = pending.queue if len(claimed) >= pending.count else None
         return [payload for payload in map(self._payload_of, claimed) if payload is not None]
@@ -196,8 +219,8 @@ class Consuming:
         return message
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
-        """The wake-up markers one BZPOPMIN waits on for ``queues``."""
-        return [self.fenced_queue(queue).keys.wake for queue in queues]
+        """The wake-up markers one BZPOPMIN waits on for ``queues`` (every shard's)."""
+        return [shard.keys.wake for queue in queues for shard in self.fenced_queue(queue).shards]
 
     def _brpop_start(self, timeout=None):
         """Send the poll command: a claim when the last one came back full, else a BZPOPMIN on the markers.
@@ -236,9 +259,12 @@ class Consuming:
             connection.disconnect()
             self.qos.buffer_acks(pending.acks.deliveries)
             raise
-        if results[-1] is NOT_RUN:
-            self.qos.settle_acks(pending.acks, results[:-1])
-            raise Empty()  # _more_ready is unchanged: the next poll claims again
+        claims = results[len(pending.acks.calls) :]
+        if any(result is NOT_RUN for result in claims):
+            self.qos.settle_acks(pending.acks, results[: len(pending.acks.calls)])
+            # _more_ready is unchanged: the next poll claims again (what the others claimed is given back).
+            self._give_back([p for r in claims if isinstance(r, list) for p in map(self._payload_of, r) if p])
+            raise Empty()
         payloads = self._claimed_payloads(pending, results)
         if self._closing:
             self._give_back(payloads)

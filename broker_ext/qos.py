@@ -36,19 +36,23 @@ logger = logging.getLogger(__name__)
 NOT_RUN = object()
 
 
-def by_queue(deliveries: Iterable[Delivery]) -> dict[str, list[Delivery]]:
-    """Deliveries grouped by queue, in first-seen order."""
-    groups: dict[str, list[Delivery]] = {}
+#: A queue's name and the number of one of its shards (0 for a queue of one).
+ShardKey = tuple[str, int]
+
+
+def by_shard(deliveries: Iterable[Delivery]) -> dict[ShardKey, list[Delivery]]:
+    """Deliveries grouped by queue and shard (one script call each), in first-seen order."""
+    groups: dict[ShardKey, list[Delivery]] = {}
     for delivery in deliveries:
-        groups.setdefault(delivery.queue, []).append(delivery)
+        groups.setdefault((delivery.queue, delivery.shard), []).append(delivery)
     return groups
 
 
 @dataclass(frozen=True)
 class PendingAcks:
-    """Buffered acks taken out of the buffer, as one ack call per queue, on their way to Redis."""
+    """Buffered acks taken out of the buffer, as one ack call per queue shard, on their way to Redis."""
 
-    groups: dict[str, list[Delivery]]
+    groups: dict[ShardKey, list[Delivery]]
     calls: list[ScriptCall]
 
     @property
@@ -166,13 +170,13 @@ class FencedQoS(virtual.QoS):
         """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`)."""
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
-        groups = by_queue(acks)
-        calls = [self.channel.fenced_queue(queue).ack_call(group) for queue, group in groups.items()]
+        groups = by_shard(acks)
+        calls = [self.channel.shard_queue(*key).ack_call(group) for key, group in groups.items()]
         return PendingAcks(groups, calls)
 
     def settle_acks(self, pending: PendingAcks, replies: list) -> None:
         """Read the replies of sent acks: log refusals, and buffer again what did not run."""
-        for (queue, group), reply in zip(pending.groups.items(), replies, strict=True):
+        for ((queue, _), group), reply in zip(pending.groups.items(), replies, strict=True):
             if reply is NOT_RUN:
                 self.buffer_acks(group)
             elif isinstance(reply, Exception):
@@ -210,7 +214,7 @@ class FencedQoS(virtual.QoS):
                 if requeue:
                     self.give_back([delivery], counted=True)
                 else:
-                    self.channel.fenced_queue(delivery.queue).dead_letter([delivery], reason)
+                    self.channel.shard_queue(delivery.queue, delivery.shard).dead_letter([delivery], reason)
         finally:
             super().ack(delivery_tag)
 
@@ -233,9 +237,9 @@ class FencedQoS(virtual.QoS):
         super().ack(delivery_tag)
 
     def give_back(self, deliveries: Iterable[Delivery], *, counted: bool, reason: str = "") -> None:
-        """Requeue deliveries, one call per queue: counted (a reject) or unspent (never ran)."""
-        for queue, group in by_queue(deliveries).items():
-            self.channel.fenced_queue(queue).requeue(group, counted=counted, reason=reason)
+        """Requeue deliveries, one call per queue shard: counted (a reject) or unspent (never ran)."""
+        for key, group in by_shard(deliveries).items():
+            self.channel.shard_queue(*key).requeue(group, counted=counted, reason=reason)
 
     def charge_at_shutdown(self, delivery_tags: Iterable[str] | None, reason: str) -> int:
         """Give these deliveries back *charged* at shutdown (all held ones if ``None``); how many are held.

@@ -96,10 +96,14 @@ class FencedQueue:
         options: QueueOptions | None = None,
         scripts: Scripts | None = None,
         prefix: str = "",
+        tag: str | None = None,
+        shard: int = 0,
     ) -> None:
         self.client = client
         self.name = name
-        self.keys = QueueKeys(name, prefix)
+        #: Which shard of a sharded queue this is (:mod:`broker_ext.shards`); 0 for a queue of one.
+        self.shard = shard
+        self.keys = QueueKeys(name, prefix, tag)
         self.options = options or QueueOptions()
         self.scripts = scripts or register(client)
 
@@ -137,6 +141,11 @@ class FencedQueue:
         dedup_keys = [self.keys.dedup(message.dedup_key or "") for message in messages]
         return self._call("publish", args, dedup=dedup_keys)
 
+    def publish_calls(self, messages: Sequence[OutgoingMessage]) -> tuple[list[ScriptCall], list[list[int]]]:
+        """The calls of a publish and the positions of each call's messages (one call here; one per
+        shard on a :class:`~broker_ext.sharded_queue.ShardedQueue`)."""
+        return [self.publish_call(messages)], [list(range(len(messages)))]
+
     def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
         """Store messages (idempotent on each one's publish id); one reply per message.
 
@@ -169,7 +178,16 @@ class FencedQueue:
         stock = {"unacked": source.unacked, "unacked_index": source.unacked_index, "list": source.list_key}
         return self.run(self._call("adopt_local", args, **stock))
 
+    @property
+    def shards(self) -> list[FencedQueue]:
+        """The shards of the logical queue: this queue alone (see :mod:`broker_ext.sharded_queue`)."""
+        return [self]
+
     # -- consume -------------------------------------------------------------------------
+
+    def claim_plan(self, count: int) -> list[tuple[FencedQueue, int]]:
+        """Which shard a claim asks for how many: all of ``count`` from this one queue."""
+        return [(self, count)]
 
     def claim_call(
         self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
@@ -201,7 +219,9 @@ class FencedQueue:
             self._announce(_reasons(dead))
             return [
                 Claimed(
-                    Delivery(self.name, _text(flat[i]), int(flat[i + 1]), int(flat[i + 2]), claim_id),
+                    Delivery(
+                        self.name, _text(flat[i]), int(flat[i + 1]), int(flat[i + 2]), claim_id, self.shard
+                    ),
                     flat[i + 3],
                 )
                 for i in range(0, len(flat), 4)
@@ -407,6 +427,7 @@ class FencedQueue:
                 state.claim,
                 state.charged,
                 state.interrupted,
+                self.shard,
             )
         return found, beside
 
