@@ -300,9 +300,7 @@ def record(run: BenchRun, mode: str, label: str, rounds: dict[int, list[Round]])
         cpu.details[system(shards)] = {
             "per_master_us": {name: round(value, 2) for name, value in per_master.items()},
             "spread": spread(per_master),
-            "script_usec_per_message": round(
-                sum(medians([one.script_usec for one in measured]).values()), 2
-            ),
+            "script_usec_per_message": round(sum(medians([one.script_usec for one in measured]).values()), 2),
             "commands_per_message": medians([one.commands for one in measured]),
             "rounds": len(measured),
         }

@@ -189,7 +189,7 @@ def pool_exhausted(context: LabContext, fault: ScheduledFault) -> str:
         queues=context.queues,
         prefix=f"burst-{fault.index}",
         max_connections=SMALL_POOL,
-        transport_options=context.topology.transport_options(),
+        transport_options=context.topology.client_options(),
     )
     errors = sum(context.publisher.errors.values()) - before
     return (

@@ -1,7 +1,8 @@
 """Reading what Redis holds at the end of a run, per task id, for either broker.
 
-fenced:// keeps each queue in its own hash-tagged keys (``broker_ext.keys``):
-ready, delayed, leased and dead ids, bodies, states and dead-letter reasons.
+fenced:// keeps each queue in its own hash-tagged keys (``broker_ext.keys``),
+each shard of a sharded queue under a tag of its own: ready, delayed, leased
+and dead ids, bodies, states and dead-letter reasons.
 The stock transport keeps a list per queue and one ``unacked`` hash with its
 ``unacked_index`` for everything delivered and not yet acked. Both are
 mapped to task ids, and both are checked for half-written entries: a message
@@ -18,6 +19,7 @@ from collections import Counter
 from broker_ext.keys import QueueKeys
 from broker_ext.messages import split_task_message_id
 from broker_ext.queue import FencedQueue
+from broker_ext.shards import ShardLayout
 from lab.faultlab.history import RedisEnd
 
 _TASK_ID_IN_RAW = re.compile(rb'"faultlab": "([^"]+)"')
@@ -32,14 +34,29 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def shards_of(client, queue: str) -> list[FencedQueue]:
+    """Every shard of ``queue``, as the layout stored in Redis says (the queue alone when it has none).
+
+    The lab reads the layout rather than its own ``queue_shards``, so it sees
+    the shards the workers and the publisher actually use.
+    """
+    layout = ShardLayout.parse(queue, client.get(QueueKeys(queue).shards))
+    if layout is None:
+        return [FencedQueue(client, queue)]
+    return [
+        FencedQueue(client, queue, tag=None if index == 0 else tag, shard=index)
+        for index, tag in enumerate(layout.tags)
+    ]
+
+
 def fenced_end(client, queues: list[str]) -> RedisEnd:
     """The fenced queues' ready / leased / delayed / dead ids, reasons, counters and half-written entries."""
     places: dict[str, set[str]] = {"ready": set(), "leased": set(), "delayed": set(), "dead": set()}
     dead: dict[str, str] = {}
     counters: Counter[str] = Counter()
     half_written: list[str] = []
-    for queue in queues:
-        keys = QueueKeys(queue)
+    for shard in [shard for queue in queues for shard in shards_of(client, queue)]:
+        queue, keys = shard.name, shard.keys
         pipe = client.pipeline(transaction=False)
         for key in (keys.ready, keys.leases, keys.delayed, keys.dead):
             pipe.zrange(key, 0, -1)
@@ -64,7 +81,7 @@ def fenced_end(client, queues: list[str]) -> RedisEnd:
             dead[task_id_of_message(_text(message_id))] = str(text)
         for message_id in members["dead"]:
             dead.setdefault(task_id_of_message(message_id), "")
-        counters.update(FencedQueue(client, queue).stats().counters)
+        counters.update(shard.stats().counters)
     return RedisEnd(
         ready=frozenset(places["ready"]),
         leased=frozenset(places["leased"]),

@@ -89,6 +89,8 @@ class LabConfig:
     cluster: bool = False
     sentinel: bool = False
     netem: bool = False
+    #: fenced:// transport option ``queue_shards`` of the hot queue (the first shared one); 1: unsharded.
+    shards: int = 1
 
 
 @dataclass
@@ -152,13 +154,10 @@ def run_lab(
         workers=config.workers,
         per_kind=config.per_kind,
     )
-    result = LabResult(
-        config,
-        run_dir,
-        database.describe(),
-        topology_class(config).name,
-        schedule,
-    )
+    topology_name = topology_class(config).name
+    if config.shards > 1:
+        topology_name += f", hot queue over {config.shards} shards"
+    result = LabResult(config, run_dir, database.describe(), topology_name, schedule)
     interruption = interruption or Interruption()
     for broker in brokers:
         history = run_broker(config, broker, schedule, run_dir, f"{run_id}-{broker}", progress, interruption)
@@ -200,8 +199,7 @@ def run_broker(
     (interruption or Interruption()).watch(stop)
     with ExitStack() as cleanup:
         progress(f"{broker}: starting Redis", 0, 0)
-        topology, proxy, broker_url, (host, port) = _start_broker(config, run_dir, broker, cleanup)
-        queues = topology.queues(config.queues)
+        topology, proxy, broker_url, (host, port), queues = _start_broker(config, run_dir, broker, cleanup)
         progress(f"{broker}: starting {config.workers} workers", 0, config.workers)
         fleet = Fleet(
             count=config.workers,
@@ -215,6 +213,7 @@ def run_broker(
                 "LAB_SOCKET_TIMEOUT": str(config.socket_timeout),
                 "LAB_MAX_MESSAGE_SIZE": str(config.oversize // 2),
                 **topology.worker_env(),
+                **topology.shards_env(),
             },
             log_dir=run_dir / f"logs-{broker}",
             prefix=topology.worker_prefix,
@@ -272,14 +271,18 @@ def run_broker(
 
 
 def _start_broker(config: LabConfig, run_dir: Path, broker: str, cleanup: ExitStack) -> tuple:
-    """Start the run's Redis (and its fault proxy) and point the lab's Celery app at it.
+    """Start the run's Redis (and its fault proxy), choose the queues, and point the lab's Celery app at it.
 
-    Returns ``(topology, proxy or None, broker URL, (host, port) the clients use)``;
-    everything started is stopped by ``cleanup``, and the app's settings put back.
+    Returns ``(topology, proxy or None, broker URL, (host, port) the clients use, queues)``;
+    everything started is stopped by ``cleanup``, and the app's settings put back. On
+    fenced://, the first queue is the hot one, sharded over ``config.shards`` hash tags.
     """
     topology = make_topology(config, run_dir, broker)
     cleanup.callback(topology.stop)
     topology.start()
+    queues = topology.queues(config.queues)
+    if broker == "fenced" and config.shards > 1:
+        topology.shard(queues[0], config.shards)
     proxy = None
     address = topology.endpoint()
     if topology.proxied:
@@ -293,10 +296,10 @@ def _start_broker(config: LabConfig, run_dir: Path, broker: str, cleanup: ExitSt
         "lease_timeout": config.lease,
         "socket_timeout": config.socket_timeout,
         "socket_connect_timeout": 5,
-        **topology.transport_options(),
+        **topology.client_options(),
     }
     _reset_app(celery_app, broker_url, options)
-    return topology, proxy, broker_url, address
+    return topology, proxy, broker_url, address, queues
 
 
 def _raise_if_stopped(stop: threading.Event) -> None:
@@ -347,14 +350,13 @@ def _in_flight(broker: str, client, queues: list[str]) -> tuple[int, int, dict[s
     pipe = client.pipeline(transaction=False)
     names: list[str] = []
     if broker == "fenced":
-        from broker_ext.keys import QueueKeys
-
         for queue in queues:
-            keys = QueueKeys(queue)
-            for place, key in (("ready", keys.ready), ("leased", keys.leases), ("delayed", keys.delayed)):
-                pipe.zcard(key)
-                names.append(f"{queue} {place}")
-            pipe.zcard(keys.dead)
+            for shard in recorder.shards_of(client, queue):
+                keys = shard.keys
+                for place, key in (("ready", keys.ready), ("leased", keys.leases), ("delayed", keys.delayed)):
+                    pipe.zcard(key)
+                    names.append(f"{queue}{f' shard {shard.shard}' if shard.shard else ''} {place}")
+                pipe.zcard(keys.dead)
         counts = pipe.execute()
         dead = sum(counts[3::4])
         live = [count for index, count in enumerate(counts) if index % 4 != 3]

@@ -14,11 +14,13 @@ clients ask the sentinels where the master is and connect to it directly.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import redis
 from redis.cluster import RedisCluster as ClusterClient
@@ -104,6 +106,8 @@ class Topology(ABC):
     proxied = False
     #: What each worker's command runs under (the lossy network's namespace), if anything.
     worker_prefix: tuple[str, ...] = ()
+    #: Queues spread over several hash tags (fenced:// transport option ``queue_shards``): see :meth:`shard`.
+    queue_shards: Mapping[str, int] = MappingProxyType({})
 
     @abstractmethod
     def start(self) -> None: ...
@@ -136,6 +140,19 @@ class Topology(ABC):
     def worker_env(self) -> dict[str, str]:
         """What the lab's worker settings need to know about this topology."""
         return {}
+
+    def shard(self, queue: str, shards: int) -> None:
+        """Spread ``queue`` over ``shards`` hash tags, for every client of the run (fenced:// only)."""
+        self.queue_shards = MappingProxyType({**self.queue_shards, queue: shards})
+
+    def client_options(self) -> dict:
+        """The transport options of every client of the run: the topology's, and the queues' shards."""
+        shards = {"queue_shards": dict(self.queue_shards)} if self.queue_shards else {}
+        return {**self.transport_options(), **shards}
+
+    def shards_env(self) -> dict[str, str]:
+        """The queues' shards, for the lab's worker settings (``LAB_QUEUE_SHARDS``)."""
+        return {"LAB_QUEUE_SHARDS": json.dumps(dict(self.queue_shards))} if self.queue_shards else {}
 
     def pause(self) -> None:
         raise FaultLabError(f"{self.name} cannot be paused")

@@ -19,12 +19,15 @@ worker, to inject what a single worker process suffers:
     The broker URL lists the nodes of a Redis Cluster (transport option ``cluster``).
 ``LAB_SENTINEL_MASTER``
     The broker URL lists Redis Sentinels watching this master (transport option ``master_name``).
+``LAB_QUEUE_SHARDS``
+    fenced://'s ``queue_shards``, as JSON ``{queue: shards}``: the hot queue spread over several slots.
 
 The stock ``redis://`` (or ``sentinel://``) transport gets the same lease as its
 ``visibility_timeout`` and sweeps for expired messages as often as fenced://
 reclaims (Kombu's default sweeps every 100 s), so the comparison is fair.
 """
 
+import json
 import os
 
 from lab.faultlab import clock
@@ -52,6 +55,8 @@ else:
     )
 if os.environ.get("LAB_CLUSTER"):
     CELERY_BROKER_TRANSPORT_OPTIONS["cluster"] = True
+if os.environ.get("LAB_QUEUE_SHARDS"):
+    CELERY_BROKER_TRANSPORT_OPTIONS["queue_shards"] = json.loads(os.environ["LAB_QUEUE_SHARDS"])
 if os.environ.get("LAB_SENTINEL_MASTER"):
     CELERY_BROKER_TRANSPORT_OPTIONS["master_name"] = os.environ["LAB_SENTINEL_MASTER"]
 if os.environ.get("LAB_MAX_CONNECTIONS"):

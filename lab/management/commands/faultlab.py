@@ -15,6 +15,9 @@ from lab.faultlab.report import as_json, print_report
 from lab.faultlab.runner import BROKERS, LabConfig, new_run_id, topology_class
 from lab.faultlab.schedule import parse_kinds
 
+#: ``--shards`` under ``--cluster``: the hot queue over two shards per master of the 3.
+CLUSTER_SHARDS = 6
+
 
 class Command(BaseCommand):
     help = (
@@ -62,6 +65,14 @@ class Command(BaseCommand):
             "--cluster", action="store_true", help="run on a local Redis Cluster (3 masters, 3 replicas)"
         )
         parser.add_argument(
+            "--shards",
+            type=int,
+            default=None,
+            metavar="N",
+            help="fenced:// queue_shards of the hot queue (the first shared one): 1 leaves it unsharded "
+            "(default 6 with --cluster, else 1)",
+        )
+        parser.add_argument(
             "--sentinel",
             action="store_true",
             help="run on a local Redis Sentinel group (a master, a replica, 3 sentinels)",
@@ -105,6 +116,7 @@ class Command(BaseCommand):
                 lease=options["lease"],
                 per_kind=options["per_kind"],
                 settle_timeout=options["settle_timeout"],
+                shards=self.shards(options),
                 **places,
             )
         except LabError as exc:
@@ -129,6 +141,15 @@ class Command(BaseCommand):
             print_report(result, Console(file=self.stdout, width=160))
         if not result.ok:
             raise CommandError("the fenced run violated an invariant (see above)", returncode=1)
+
+    @staticmethod
+    def shards(options: dict) -> int:
+        """``--shards``, or its default: the hot queue sharded on a cluster, unsharded elsewhere."""
+        if options["shards"] is None:
+            return CLUSTER_SHARDS if options["cluster"] else 1
+        if options["shards"] < 1:
+            raise CommandError("--shards must be >= 1")
+        return options["shards"]
 
     @staticmethod
     def check_netem() -> None:
