@@ -20,7 +20,7 @@ from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from lab.errors import FaultLabError
 from lab.faultlab import clock
-from lab.faultlab.recorder import fenced_end, stock_end
+from lab.faultlab.recorder import fenced_end, shards_of, stock_end
 from lab.faultlab.registry import SINGLE_SERVER_KINDS, FaultKind, kinds_on
 from lab.faultlab.schedule import build_schedule, parse_kinds
 from lab.faultlab.workload import error_name
@@ -124,6 +124,35 @@ def test_the_recorder_reads_fenced_queues_by_task_id_and_finds_half_written_entr
     assert end.half_written == ("faultlab.q0: run-c.0 has a body or state but is in no set",)
 
 
+def test_the_recorder_reads_every_shard_of_a_sharded_hot_queue_on_the_cluster(redis_cluster):
+    """The hot queue of ``faultlab --cluster`` over 6 shards: the lab's end-of-run reading finds every
+    message whichever shard and master holds it, from the layout the transport stored."""
+    from kombu import Connection
+    from redis.cluster import RedisCluster as ClusterClient
+
+    for node in redis_cluster.live_nodes():
+        node.client().flushall()
+    options = {"cluster": True, "queue_shards": {"faultlab.q0": 6}}
+    with Connection(redis_cluster.fenced_urls(), transport_options=options) as connection:
+        queue = connection.default_channel.fenced_queue("faultlab.q0")
+        queue.publish([OutgoingMessage(f"run-{n}.0", b"{}") for n in range(60)])
+        (claimed,) = queue.claim(1)
+        queue.dead_letter([claimed.delivery], "malformed body: test")
+    client = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        shards = shards_of(client, "faultlab.q0")
+        assert len(shards) == 6
+        assert len({redis_cluster.master_for(shard.keys.ready).port for shard in shards}) == 3
+        assert all(shard.stats().ready for shard in shards), "60 ids by hash: every shard holds some"
+        end = fenced_end(client, ["faultlab.q0"])
+    finally:
+        client.close()
+    dead = claimed.delivery.message_id.removesuffix(".0")
+    assert end.ready == {f"run-{n}" for n in range(60)} - {dead}
+    assert end.dead == {dead: "malformed body: test"}
+    assert end.counters["published"] == 60 and end.half_written == ()
+
+
 def test_the_recorder_reads_stock_lists_and_unacked_entries_by_task_id(redis_client):
     message = json.dumps({"headers": {"id": "run-a"}, "body": ""})
     redis_client.lpush("faultlab.q0", message, '{"faultlab": "run-bad", not json')
@@ -193,6 +222,37 @@ def test_a_fault_lab_run_on_sentinel_follows_master_kills_and_fenced_loses_and_d
     fenced = report["fenced"]
     assert fenced["ok"] and fenced["lost"] == 0 and fenced["double_effects"] == 0, fenced["violations"]
     assert fenced["effects"] == fenced["tasks"] - fenced["dead_lettered"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_lab_run_on_the_cluster_with_a_sharded_hot_queue_loses_and_doubles_nothing(tmp_path):
+    """``--cluster`` shards the hot queue by default (6 shards on 3 masters): two master kills, every
+    task's effect exactly once, so every shard was consumed through the failovers."""
+    env = {**os.environ, "QUEUEAPP_VAR_DIR": str(tmp_path)}
+    env.pop("DATABASE_URL", None)
+    command = [sys.executable, "manage.py", "faultlab", "--json", "--cluster", "--tasks", "120"]
+    command += [
+        "--seconds",
+        "12",
+        "--lease",
+        "3",
+        "--faults",
+        "master-kill",
+        "--per-kind",
+        "2",
+        "--seed",
+        "5",
+    ]
+    stdout, stderr, returncode = run_command(command, env, timeout=240)
+    assert returncode == 0, stderr[-3000:] + stdout[-3000:]
+    report = json.loads(stdout)
+    assert report["config"]["shards"] == 6
+    assert report["config"]["topology"] == "Redis Cluster (3 masters, 3 replicas), hot queue over 6 shards"
+    assert report["faults"] == {"master-kill": 2}, report["fault_log"]
+    assert report["ok"] and report["lost"] == 0 and report["double_effects"] == 0, report["violations"]
+    assert report["half_written"] == 0 and report["settlement"] == "settled"
+    assert report["effects"] == report["tasks"] - report["dead_lettered"]
 
 
 @pytest.mark.slow
