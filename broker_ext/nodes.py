@@ -28,6 +28,14 @@ def node_of(client, key: str) -> str:
     return client.get_node_from_key(key).name
 
 
+def node_client(client, key: str):
+    """A client of the one node serving ``key`` (``client`` itself on a single Redis): for a pipeline
+    of reads of one queue, which a cluster pipeline would refuse (``TIME`` has no key)."""
+    if not hasattr(client, "nodes_manager"):
+        return client
+    return client.get_redis_connection(client.get_node_from_key(key))
+
+
 def group_by_node(client, calls: Sequence[ScriptCall]) -> dict[str, list[int]]:
     """The positions of ``calls``, grouped by the node their first key lives on, in first-seen order."""
     groups: dict[str, list[int]] = {}

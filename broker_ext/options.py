@@ -132,11 +132,12 @@ FENCED_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "queue_shards",
-        1,
+        None,
         "",
         "shards of one logical queue, each in a slot of its own, spread over the cluster's masters: a "
-        "number for every queue, or a dict `{queue name: n}` (others 1); the layout is kept in Redis, and "
-        "a change of n for a queue that holds messages is refused (see docs/cluster-and-sentinel.md)",
+        "number for every queue, or a dict `{queue name: n}`; the layout is kept in Redis, and a queue "
+        "left unset uses the stored one (else 1); a change of n for a queue that holds messages is "
+        "refused (see docs/cluster-and-sentinel.md)",
         kind="shards",
     ),
     Option("cluster", False, "", "connect to a Redis Cluster (the URL's hosts are startup nodes)", "flag"),
@@ -247,14 +248,15 @@ class TransportSettings:
     ack_batch_size: int
     binding_cache_ttl: float = 0.0
     queue: QueueOptions = field(default_factory=QueueOptions)
-    #: ``queue_shards`` as given: one count for every queue, or counts by queue name (others 1).
-    queue_shards: int | Mapping[str, int] = 1
+    #: ``queue_shards`` as given: one count for every queue, or counts by queue name, or unset.
+    queue_shards: int | Mapping[str, int] | None = None
 
-    def shards_of(self, queue: str) -> int:
-        """How many shards ``queue`` is configured with."""
+    def shards_of(self, queue: str) -> int | None:
+        """How many shards ``queue`` is configured with (``None``: as its stored layout says)."""
         if isinstance(self.queue_shards, Mapping):
-            return int(self.queue_shards.get(queue, 1))
-        return int(self.queue_shards)
+            count = self.queue_shards.get(queue)
+            return None if count is None else int(count)
+        return None if self.queue_shards is None else int(self.queue_shards)
 
 
 def declare(channel_class: type) -> type:
@@ -336,7 +338,7 @@ def resolve(values: Callable[[str], Any]) -> TransportSettings:
         ack_flush_interval=float(values("ack_flush_interval")),
         ack_batch_size=int(values("ack_batch_size")),
         binding_cache_ttl=float(values("binding_cache_ttl")),
-        queue_shards=values("queue_shards") or 1,
+        queue_shards=values("queue_shards"),
         queue=QueueOptions(
             lease_ms=int(lease * 1000),
             max_deliveries=int(values("max_deliveries")),

@@ -20,6 +20,7 @@ import redis
 from broker_ext.errors import Reply
 from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
 from broker_ext.messages import BESIDE
+from broker_ext.nodes import node_client
 from broker_ext.options import QueueOptions
 from broker_ext.records import (
     AdoptedMessage,
@@ -388,7 +389,7 @@ class FencedQueue:
     def _locate(self, ids: list[str]) -> tuple[dict[str, MessageState], dict[str, list[str]]]:
         """:meth:`locate` of ``ids`` as stored, and the ids stored beside each one that is gone."""
         k = self.keys
-        pipe = self.client.pipeline(transaction=False)
+        pipe = node_client(self.client, k.state).pipeline(transaction=False)
         pipe.time()
         pipe.hmget(k.state, ids)
         pipe.hmget(k.reasons, ids)

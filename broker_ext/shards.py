@@ -126,12 +126,15 @@ def cluster_map(client) -> tuple[list[str], SlotOwners] | tuple[None, None]:
 def load_layout(
     client,
     queue: str,
-    count: int,
+    count: int | None,
     *,
     prefix: str = "",
     holds_messages: Callable[[ShardLayout], bool],
 ) -> ShardLayout:
     """The layout of ``queue``: the stored one, or a new one of ``count`` shards stored now.
+
+    ``count`` ``None`` (the queue's ``queue_shards`` unset): the stored layout,
+    or one shard when none is stored; nothing is written.
 
     A stored layout of another size is replaced only while ``holds_messages``
     says its shards are all empty; otherwise this raises ConfigurationError.
@@ -140,6 +143,8 @@ def load_layout(
     """
     key = QueueKeys(queue, prefix).shards
     stored = ShardLayout.parse(queue, client.get(key))
+    if count is None:
+        return stored or unsharded(queue)
     if stored is None and count <= 1:
         return unsharded(queue)
     if stored is not None and stored.count == count:
