@@ -358,7 +358,7 @@ def run_level(run: BenchRun) -> None:
                     except Exception as exc:
                         failed.add((mode, shards))
                         run.errors.append(
-                            {"figure": f"cluster.{mode}", "system": system(shards), "error": repr(exc)}
+                            {"figure": f"cluster.cpu.{mode}", "system": system(shards), "error": repr(exc)}
                         )
                         run.progress(f"[red]cluster.{mode} (queue_shards {shards}) failed: {exc!r}[/red]")
     finally:
