@@ -56,6 +56,8 @@ ROUNDS = 5
 SPREAD_LIMIT = 0.15
 COST_LIMIT = 1.15
 DRAIN_TIMEOUT = 10.0
+#: The fewest full claims a consume window spans.
+MIN_CLAIMS = 10
 #: The workloads: key, label, and the share of ``Sizes.messages`` each measures.
 MODES = (
     ("publish", "one-by-one publish (Producer.publish)", 1.0),
@@ -232,7 +234,12 @@ def publish_once(bench: ClusterBench, shards: int, messages: int, warmup: int, *
 
 
 def consume_once(bench: ClusterBench, shards: int, messages: int, warmup: int, prefetch: int) -> Round:
-    """Consume and ack ``messages`` at ``prefetch`` from a backlog with a tail; the steady window's cost."""
+    """Consume and ack ``messages`` at ``prefetch`` from a backlog with a tail; the steady window's cost.
+
+    The window spans at least ``MIN_CLAIMS`` claims, so that a small run
+    (``--quick --messages 20``) still meters claims and acks at prefetch 100.
+    """
+    messages = max(messages, MIN_CLAIMS * prefetch)
     bench.flush()
     queue = kombu_queue(f"bench.cluster.consume.p{prefetch}")
     total = warmup + messages + prefetch + min(200, messages)
