@@ -61,10 +61,11 @@ class WakeRelay:
 
     def _node_client(self, key: str) -> redis.Redis:
         """A client of its own on the node serving ``key``, whose socket outlasts the blocking call."""
-        node = self.cluster.get_node_from_key(key)
-        kwargs = dict(self.cluster.get_redis_connection(node).connection_pool.connection_kwargs)
-        kwargs["socket_timeout"] = self.timeout + 10
-        return redis.Redis(**kwargs)
+        pool = self.cluster.get_redis_connection(self.cluster.get_node_from_key(key)).connection_pool
+        kwargs = {**pool.connection_kwargs, "socket_timeout": self.timeout + 10}
+        return redis.Redis(
+            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+        )
 
     def _relay(self, keys: list[str], stopped: threading.Event) -> None:
         client: redis.Redis | None = None
@@ -76,12 +77,12 @@ class WakeRelay:
                 home = self.home_key()
                 if woken and home is not None and not stopped.is_set():
                     self.cluster.zadd(home, {WAKE_MEMBER: 0})
-            except redis.exceptions.RedisError as exc:  # MOVED after a resharding, a failover, a lost node
+            except Exception as exc:  # MOVED after a resharding, a failover, a lost node
                 logger.info("wake relay on %s: %r; reconnecting", keys[0], exc)
                 if client is not None:
                     client.close()
                 client = None
-                with contextlib.suppress(redis.exceptions.RedisError):
+                with contextlib.suppress(Exception):  # The cluster may be down: try again in a second.
                     self.cluster.nodes_manager.initialize()
                 stopped.wait(1.0)
         if client is not None:
