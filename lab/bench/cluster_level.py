@@ -3,10 +3,15 @@
 The level starts its own cluster (3 masters, no replicas: ``lab.redis_servers``)
 and measures the same four Kombu workloads as the Kombu level, in one Python
 process: one-by-one publish, batch publish, and consume+ack at prefetch 1 and
-100. Each runs on one logical queue with ``queue_shards`` 1 (the queue lives
-in one slot, so on one master) and ``queue_shards`` 6 (two shards per master),
-in alternating rounds (1 then 6, then 6 then 1, ...) so that a noisy
-neighbour hurts both alike; every figure is the median of its rounds.
+100. Each runs in three settings (:data:`SETTINGS`), in alternating rounds so
+that a noisy neighbour hurts all alike; every figure is the median of its
+rounds:
+
+* one queue, unsharded: it lives in one slot, so on one master;
+* three unsharded queues, one per master, the same load split between them by
+  hand (what users of other brokers are told to do): the baseline of the cost
+  target;
+* one queue with ``queue_shards`` 6 (two shards per master).
 
 What is measured on each master is the CPU of its main thread (``INFO cpu``,
 user + sys), less what the master spends idle over the same span (cluster bus
@@ -17,13 +22,23 @@ alone, not the parsing and the replies of each round trip, and it is round
 trips that sharding adds (one call per node instead of one per queue); the
 scripts' share of it is kept in the JSON for comparison
 (``script_usec_per_message``, ``EVALSHA``'s usec, which includes the
-commands run inside).
+commands run inside), with the commands per message on each master.
+
+Why the baseline is three queues and not the lone one: on a machine with fewer
+cores than masters (the 2-core VM of docs/benchmarks.md), three Redis
+processes serving requests in turn each spend more CPU per request than one
+process serving them all (its caches stay warm), whatever the requests are;
+the same publishes split by hand over three unsharded queues cost as much
+more as sharded ones do. A master on a core of its own, as in production,
+does not pay that. Comparing with the three queues measures what sharding
+itself adds (claims and acks per shard, the wake relay); the lone queue's
+figures are printed beside it.
 
 Per workload the level reports the Redis CPU per task on each master, summed
 over the masters, and the spread: how far the busiest or idlest master is
 from an even share of the sum. The targets (``lab.bench.report``) ask, with
 ``queue_shards`` 6, for every master within 15% of an even share and for the
-sum at most 1.15x the unsharded queue's. The last rows turn the sums into
+sum at most 1.15x the unsharded queues'. The last rows turn the sums into
 tasks per second per Redis core (publish plus consume of one task), the
 figure ``docs/cluster-and-sentinel.md`` sizes a cluster with.
 """
@@ -31,6 +46,7 @@ figure ``docs/cluster-and-sentinel.md`` sizes a cluster with.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import statistics
 import time
@@ -38,8 +54,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
-from kombu import Connection, Consumer, Producer
+from kombu import Connection, Consumer, Producer, Queue
+from redis.crc import key_slot
 
+from broker_ext.keys import QueueKeys
 from lab.bench.core import BenchRun, LoadMeter, Measurement, RedisLoad, redis_cpu
 from lab.bench.kombu_level import body, kombu_queue
 from lab.processes import wait_for
@@ -47,12 +65,27 @@ from lab.redis_servers import RedisCluster
 
 LEVEL = "cluster"
 MASTERS = 3
-#: The two settings compared: the unsharded queue, and two shards per master.
-SHARDS = (1, 6)
-#: Rounds of each figure (alternating the two settings); a --quick run does one.
+SHARDS = 6
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to carry the load: ``queues`` queues of ``shards`` shards each, the load split evenly."""
+
+    key: str
+    label: str
+    shards: int
+    queues: int
+
+
+LONE = Setting("lone", "1 queue", 1, 1)
+SPLIT = Setting("split", f"{MASTERS} queues by hand", 1, MASTERS)
+SHARDED = Setting("sharded", f"queue_shards {SHARDS}", SHARDS, 1)
+SETTINGS = (LONE, SPLIT, SHARDED)
+#: Rounds of each figure (the order of the settings rotating); a --quick run does one.
 ROUNDS = 5
 #: The target's bounds (``lab.bench.report``): the spread of each master around an even share, and
-#: the sharded queue's CPU per task summed over the masters against the unsharded queue's.
+#: the sharded queue's CPU per task summed over the masters against the unsharded queues'.
 SPREAD_LIMIT = 0.15
 COST_LIMIT = 1.15
 DRAIN_TIMEOUT = 10.0
@@ -60,35 +93,30 @@ DRAIN_TIMEOUT = 10.0
 MIN_CLAIMS = 10
 #: The workloads: key, label, and the share of ``Sizes.messages`` each measures.
 MODES = (
-    ("publish", "one-by-one publish (Producer.publish)", 1.0),
-    ("batch_publish", "batch publish (Producer.batch())", 5.0),
-    ("consume_ack.p1", "consume+ack, prefetch 1", 1.0),
+    ("publish", "one-by-one publish (Producer.publish)", 0.5),
+    ("batch_publish", "batch publish (Producer.batch())", 2.5),
+    ("consume_ack.p1", "consume+ack, prefetch 1", 0.5),
     ("consume_ack.p100", "consume+ack, prefetch 100", 2.5),
 )
-#: The two ways a task goes through Redis: (label, publish mode, consume mode).
+#: The two ways a task goes through Redis: (key, label, publish mode, consume mode).
 TASK_PATHS = (
     ("one_by_one", "one-by-one publish + consume+ack at prefetch 1", "publish", "consume_ack.p1"),
     ("batched", "batch publish + consume+ack at prefetch 100", "batch_publish", "consume_ack.p100"),
 )
 
 
-def system(shards: int) -> str:
-    """The column (a Measurement's system) of one ``queue_shards`` setting."""
-    return f"shards.{shards}"
+def ratio(figure: Measurement, top: Setting, bottom: Setting) -> float | None:
+    """``top``'s figure over ``bottom``'s: the median of round-by-round ratios.
 
-
-def sharded_ratio(figure: Measurement) -> float | None:
-    """A figure of the sharded setting over the unsharded one's: the median of round-by-round ratios.
-
-    The two settings of a round run back to back, so a load that came and
-    went hit both; the ratio of the medians is the fallback when a round of
+    The settings of a round run back to back, so a load that came and went
+    hit them alike; the ratio of the medians is the fallback when a round of
     one setting failed.
     """
-    unsharded, sharded = (figure.repeats.get(system(shards), []) for shards in (min(SHARDS), max(SHARDS)))
-    if unsharded and len(unsharded) == len(sharded):
-        return statistics.median(top / bottom for top, bottom in zip(sharded, unsharded, strict=True))
-    if unsharded and sharded:
-        return figure.values[system(max(SHARDS))] / figure.values[system(min(SHARDS))]
+    above, below = figure.repeats.get(top.key, []), figure.repeats.get(bottom.key, [])
+    if below and len(above) == len(below):
+        return statistics.median(a / b for a, b in zip(above, below, strict=True))
+    if above and below:
+        return figure.values[top.key] / figure.values[bottom.key]
     return None
 
 
@@ -108,6 +136,8 @@ class ClusterBench:
     cluster: RedisCluster
     masters: dict[str, redis.Redis] = field(default_factory=dict)
     idle_per_s: dict[str, float] = field(default_factory=dict)
+    #: Per master (A, B, C), the slot range it serves.
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, run: BenchRun) -> ClusterBench:
@@ -118,9 +148,9 @@ class ClusterBench:
             run.started_pids.extend(node.pid for node in cluster.nodes if node.pid)
         bench = cls(cluster)
         slots = cluster.nodes[0].client().execute_command("CLUSTER SLOTS")
-        ports = [int(master[1]) for _, _, master, *_ in sorted(slots, key=lambda entry: entry[0])]
-        for name, port in zip("ABCDEFGH", ports, strict=False):
-            bench.masters[name] = redis.Redis(host="127.0.0.1", port=port)
+        for name, (first, last, master, *_) in zip("ABCDEFGH", sorted(slots), strict=False):
+            bench.masters[name] = redis.Redis(host="127.0.0.1", port=int(master[1]))
+            bench.ranges[name] = (int(first), int(last))
         bench.calibrate()
         return bench
 
@@ -137,11 +167,24 @@ class ClusterBench:
     def url(self) -> str:
         return self.cluster.fenced_urls()
 
-    def connection(self, shards: int) -> Connection:
+    def connection(self, setting: Setting) -> Connection:
         options: dict[str, object] = {"cluster": True}
-        if shards > 1:
-            options["queue_shards"] = shards
+        if setting.shards > 1:
+            options["queue_shards"] = setting.shards
         return Connection(self.url, transport_options=options)
+
+    def queues(self, workload: str, setting: Setting) -> list[Queue]:
+        """The setting's queues for a workload: the k-th on the k-th master (slots by name, not by chance)."""
+        names: list[str] = []
+        candidate = 0
+        for first, last in list(self.ranges.values())[: setting.queues]:
+            while True:
+                name = f"bench.cluster.{workload}.{candidate}"
+                candidate += 1
+                if first <= key_slot(QueueKeys(name).ready.encode()) <= last:
+                    names.append(name)
+                    break
+        return [kombu_queue(name) for name in names]
 
     def flush(self) -> None:
         """Empty every master (outside any measured span): each figure starts from nothing."""
@@ -204,44 +247,72 @@ class Round:
         )
 
 
-def publish_once(bench: ClusterBench, shards: int, messages: int, warmup: int, *, batch: bool) -> Round:
+def publish_all(producer: Producer, queues: list[Queue], start: int, count: int) -> None:
+    """Publish messages ``start`` to ``start + count``, message n to queue n modulo their number."""
+    for n in range(start, start + count):
+        queue = queues[n % len(queues)]
+        producer.publish(body(n), exchange=queue.exchange, routing_key=queue.routing_key)
+
+
+def publish_once(bench: ClusterBench, setting: Setting, messages: int, warmup: int, *, batch: bool) -> Round:
     """Publish ``messages`` one ``Producer.publish`` at a time, or inside ``Producer.batch()``."""
     bench.flush()
-    queue = kombu_queue("bench.cluster.publish")
-    with bench.connection(shards) as connection:
+    queues = bench.queues("publish", setting)
+    with bench.connection(setting) as connection:
         channel = connection.default_channel
-        queue(channel).declare()
-        producer = Producer(channel, exchange=queue.exchange, routing_key=queue.routing_key)
-        for n in range(warmup):
-            producer.publish(body(n))
+        for queue in queues:
+            queue(channel).declare()
+        producer = Producer(channel)
+        publish_all(producer, queues, 0, warmup)
         meter = bench.meter().start()
         started = time.perf_counter()
         if batch:
             with producer.batch():
-                for n in range(messages):
-                    producer.publish(body(n))
+                publish_all(producer, queues, warmup, messages)
         else:
-            for n in range(messages):
-                producer.publish(body(n))
+            publish_all(producer, queues, warmup, messages)
         seconds = time.perf_counter() - started
         loads = meter.stop()
     stored = bench.remaining()
     if stored != warmup + messages:
-        raise AssertionError(
-            f"queue_shards {shards}: {stored} messages stored, {warmup + messages} published"
-        )
+        raise AssertionError(f"{setting.label}: {stored} messages stored, {warmup + messages} published")
     return Round.of(messages / seconds, loads, messages)
 
 
-def consume_once(bench: ClusterBench, shards: int, messages: int, warmup: int, prefetch: int) -> Round:
+def drain(connections: list[Connection], done: Callable[[], bool], timeout: float, label: str) -> None:
+    """Drain the connections in turn until ``done`` (a lone one blocks longer: nothing else to serve)."""
+    deadline = time.monotonic() + timeout
+    wait = 1 if len(connections) == 1 else 0.05
+    for connection in itertools.cycle(connections):
+        if done():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{label}: the backlog was not consumed in {timeout:.0f}s")
+        with contextlib.suppress(socket.timeout, TimeoutError):
+            connection.drain_events(timeout=wait)
+
+
+def settled(bench: ClusterBench, connections: list[Connection]) -> bool:
+    """Whether every ack landed (the consumers keep draining, so buffered acks go out)."""
+    for connection in connections:
+        with contextlib.suppress(socket.timeout, TimeoutError):
+            connection.drain_events(timeout=0.005)
+    return bench.remaining() == 0
+
+
+def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: int, prefetch: int) -> Round:
     """Consume and ack ``messages`` at ``prefetch`` from a backlog with a tail; the steady window's cost.
 
-    The window spans at least ``MIN_CLAIMS`` claims, so that a small run
-    (``--quick --messages 20``) still meters claims and acks at prefetch 100.
+    Each queue has a consumer and a connection of its own (the hand-split
+    queues' consumers are drained in turn): on a cluster, one consumer of
+    several queues waits on the first queue's wake-up marker only, and would
+    measure that instead. The window spans at least ``MIN_CLAIMS`` claims,
+    so that a small run (``--quick --messages 20``) still meters claims and
+    acks at prefetch 100.
     """
     messages = max(messages, MIN_CLAIMS * prefetch)
     bench.flush()
-    queue = kombu_queue(f"bench.cluster.consume.p{prefetch}")
+    queues = bench.queues(f"consume.p{prefetch}", setting)
     total = warmup + messages + prefetch + min(200, messages)
     meter = bench.meter()
     marks: dict[str, float] = {}
@@ -258,28 +329,23 @@ def consume_once(bench: ClusterBench, shards: int, messages: int, warmup: int, p
             marks["end"] = time.perf_counter()
             meter.stop()
 
-    with bench.connection(shards) as connection:
-        channel = connection.default_channel
-        queue(channel).declare()
-        producer = Producer(channel, exchange=queue.exchange, routing_key=queue.routing_key)
+    with contextlib.ExitStack() as stack:
+        connections = [stack.enter_context(bench.connection(setting)) for _ in queues]
+        channel = connections[0].default_channel
+        for queue in queues:
+            queue(channel).declare()
+        producer = Producer(channel)
         with producer.batch():
-            for n in range(total):
-                producer.publish(body(n))
-        with Consumer(connection, [queue], callbacks=[on_message], prefetch_count=prefetch, accept=["json"]):
-            deadline = time.monotonic() + DRAIN_TIMEOUT + messages / 100
-            while count < total:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"queue_shards {shards}: consumed {count} of {total}")
-                with contextlib.suppress(socket.timeout, TimeoutError):
-                    connection.drain_events(timeout=1)
-
-            def settled() -> bool:
-                with contextlib.suppress(socket.timeout, TimeoutError):
-                    connection.drain_events(timeout=0.005)
-                return bench.remaining() == 0
-
-            if not wait_for(settled, timeout=DRAIN_TIMEOUT, interval=0.001):
-                raise AssertionError(f"queue_shards {shards}: acks did not all land in {DRAIN_TIMEOUT}s")
+            publish_all(producer, queues, 0, total)
+        for connection, queue in zip(connections, queues, strict=True):
+            stack.enter_context(
+                Consumer(
+                    connection, [queue], callbacks=[on_message], prefetch_count=prefetch, accept=["json"]
+                )
+            )
+        drain(connections, lambda: count >= total, DRAIN_TIMEOUT + messages / 100, setting.label)
+        if not wait_for(lambda: settled(bench, connections), timeout=DRAIN_TIMEOUT, interval=0.001):
+            raise AssertionError(f"{setting.label}: acks did not all land in {DRAIN_TIMEOUT}s")
     return Round.of(messages / (marks["end"] - marks["start"]), meter.loads, messages)
 
 
@@ -287,7 +353,7 @@ def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
 
 
-def record(run: BenchRun, mode: str, label: str, rounds: dict[int, list[Round]]) -> None:
+def record(run: BenchRun, mode: str, label: str, rounds: dict[Setting, list[Round]]) -> None:
     """The figures of one workload: its rate, then its Redis CPU per task (summed; each master in details)."""
     rate = run.measurement(f"cluster.rate.{mode}", LEVEL, label, "msg/s")
     cpu = run.measurement(
@@ -297,14 +363,14 @@ def record(run: BenchRun, mode: str, label: str, rounds: dict[int, list[Round]])
         "µs/msg",
         higher_is_better=False,
     )
-    for shards, measured in rounds.items():
+    for setting, measured in rounds.items():
         if not measured:
             continue
         for one in measured:
-            rate.add(system(shards), one.rate)
-            cpu.add(system(shards), sum(one.cpu_us.values()))
+            rate.add(setting.key, one.rate)
+            cpu.add(setting.key, sum(one.cpu_us.values()))
         per_master = medians([one.cpu_us for one in measured])
-        cpu.details[system(shards)] = {
+        cpu.details[setting.key] = {
             "per_master_us": {name: round(value, 2) for name, value in per_master.items()},
             "spread": spread(per_master),
             "script_usec_per_message": round(sum(medians([one.script_usec for one in measured]).values()), 2),
@@ -320,21 +386,20 @@ def tasks_per_core(run: BenchRun) -> None:
         figure = run.measurement(
             f"cluster.tasks_per_core.{key}", LEVEL, f"tasks/s per Redis core: {label}", "tasks/s"
         )
-        for shards in SHARDS:
-            name = system(shards)
+        for setting in SETTINGS:
             try:
                 cost = (
-                    by_key[f"cluster.cpu.{publish}"].values[name]
-                    + by_key[f"cluster.cpu.{consume}"].values[name]
+                    by_key[f"cluster.cpu.{publish}"].values[setting.key]
+                    + by_key[f"cluster.cpu.{consume}"].values[setting.key]
                 )
             except KeyError:
                 continue
             if cost > 0:
-                figure.add(name, 1e6 / cost)
+                figure.add(setting.key, 1e6 / cost)
 
 
 def run_level(run: BenchRun) -> None:
-    """Start the cluster, measure every workload in alternating rounds, stop the cluster."""
+    """Start the cluster, measure every workload in rounds (the settings' order rotating), stop it."""
     run.progress(f"Cluster level: starting a {MASTERS}-master Redis Cluster")
     try:
         bench = ClusterBench.start(run)
@@ -344,30 +409,32 @@ def run_level(run: BenchRun) -> None:
         return
     warmup = run.sizes.warmup
     rounds = 1 if run.sizes.quick else ROUNDS
-    measures: dict[str, Callable[[int, int], Round]] = {
-        "publish": lambda shards, n: publish_once(bench, shards, n, warmup, batch=False),
-        "batch_publish": lambda shards, n: publish_once(bench, shards, n, warmup, batch=True),
-        "consume_ack.p1": lambda shards, n: consume_once(bench, shards, n, warmup, 1),
-        "consume_ack.p100": lambda shards, n: consume_once(bench, shards, n, warmup, 100),
+    measures: dict[str, Callable[[Setting, int], Round]] = {
+        "publish": lambda setting, n: publish_once(bench, setting, n, warmup, batch=False),
+        "batch_publish": lambda setting, n: publish_once(bench, setting, n, warmup, batch=True),
+        "consume_ack.p1": lambda setting, n: consume_once(bench, setting, n, warmup, 1),
+        "consume_ack.p100": lambda setting, n: consume_once(bench, setting, n, warmup, 100),
     }
-    results = {mode: {shards: [] for shards in SHARDS} for mode, _, _ in MODES}
-    failed: set[tuple[str, int]] = set()
+    results: dict[str, dict[Setting, list[Round]]] = {
+        mode: {setting: [] for setting in SETTINGS} for mode, _, _ in MODES
+    }
+    failed: set[tuple[str, Setting]] = set()
     try:
         for number in range(rounds):
             run.progress(f"Cluster level, round {number + 1}/{rounds}")
-            order = SHARDS if number % 2 == 0 else tuple(reversed(SHARDS))
+            order = SETTINGS[number % len(SETTINGS) :] + SETTINGS[: number % len(SETTINGS)]
             for mode, _, scale in MODES:
-                for shards in order:
-                    if (mode, shards) in failed:
+                for setting in order:
+                    if (mode, setting) in failed:
                         continue
                     try:
-                        results[mode][shards].append(measures[mode](shards, run.sizes.scaled(scale)))
+                        results[mode][setting].append(measures[mode](setting, run.sizes.scaled(scale)))
                     except Exception as exc:
-                        failed.add((mode, shards))
+                        failed.add((mode, setting))
                         run.errors.append(
-                            {"figure": f"cluster.cpu.{mode}", "system": system(shards), "error": repr(exc)}
+                            {"figure": f"cluster.cpu.{mode}", "system": setting.key, "error": repr(exc)}
                         )
-                        run.progress(f"[red]cluster.{mode} (queue_shards {shards}) failed: {exc!r}[/red]")
+                        run.progress(f"[red]cluster.{mode} ({setting.label}) failed: {exc!r}[/red]")
     finally:
         bench.stop()
     for mode, label, _ in MODES:
@@ -375,31 +442,32 @@ def run_level(run: BenchRun) -> None:
     tasks_per_core(run)
 
 
+def number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
 def table_rows(figures: list[Measurement]) -> tuple[list[str], list[list[str]]]:
-    """The cluster table: each figure for both settings, their ratio, and the sharded CPU per master."""
-    columns = [system(shards) for shards in SHARDS]
+    """The cluster table: each figure in every setting, the sharded queue's ratios, its CPU per master."""
     header = [
         "figure",
         "unit",
-        *(f"queue_shards {shards}" for shards in SHARDS),
-        "6 / 1",
-        "per master, queue_shards 6",
+        *(setting.label for setting in SETTINGS),
+        f"sharded / {SPLIT.label}",
+        f"sharded / {LONE.label}",
+        "per master, sharded",
     ]
     rows = []
     for figure in figures:
-        values = [figure.values.get(name) for name in columns]
-        ratio = sharded_ratio(figure)
-        ratio = f"{ratio:.2f}x" if ratio is not None else "-"
-        masters = figure.details.get(columns[1], {}).get("per_master_us")
+        ratios = (ratio(figure, SHARDED, SPLIT), ratio(figure, SHARDED, LONE))
+        masters = figure.details.get(SHARDED.key, {}).get("per_master_us")
         rows.append(
             [
                 figure.label,
                 figure.unit,
-                *(
-                    "-" if value is None else (f"{value:,.1f}" if value < 100 else f"{value:,.0f}")
-                    for value in values
-                ),
-                ratio,
+                *(number(figure.values.get(setting.key)) for setting in SETTINGS),
+                *("-" if value is None else f"{value:.2f}x" for value in ratios),
                 " / ".join(f"{name} {value:.1f}" for name, value in masters.items()) if masters else "",
             ]
         )

@@ -115,33 +115,33 @@ def _flatness(prefix: str, detail: str) -> Callable[[dict[str, Measurement]], fl
 
 def _cluster_spread(mode: str) -> Callable[[dict[str, Measurement]], float | None]:
     """How far the busiest or idlest master is from an even share of a sharded queue's Redis CPU."""
-    sharded = cluster_level.system(max(cluster_level.SHARDS))
-    return lambda figures: figures[f"cluster.cpu.{mode}"].details[sharded]["spread"]
+    return lambda figures: figures[f"cluster.cpu.{mode}"].details[cluster_level.SHARDED.key]["spread"]
 
 
 def _cluster_cost(mode: str) -> Callable[[dict[str, Measurement]], float | None]:
-    """The sharded queue's Redis CPU per task, summed over the masters, over the unsharded queue's."""
-    return lambda figures: cluster_level.sharded_ratio(figures[f"cluster.cpu.{mode}"])
+    """The sharded queue's Redis CPU per task, summed over the masters, over the unsharded queues'."""
+    return lambda figures: cluster_level.ratio(
+        figures[f"cluster.cpu.{mode}"], cluster_level.SHARDED, cluster_level.SPLIT
+    )
 
 
 def _cluster_targets() -> tuple[Target, ...]:
     """One hot queue over the masters of a cluster (issue 26): an even load, at little extra cost."""
-    shards = max(cluster_level.SHARDS)
+    sharded, split = cluster_level.SHARDED.label, cluster_level.SPLIT.label
     targets = []
     for mode, label, _ in cluster_level.MODES:
         targets += [
             Target(
                 f"cluster spread, {label}",
-                f"queue_shards {shards}: every master within "
-                f"±{cluster_level.SPREAD_LIMIT:.0%} of an even share of the Redis CPU",
+                f"{sharded}: every master within ±{cluster_level.SPREAD_LIMIT:.0%} of an even share "
+                "of the Redis CPU",
                 cluster_level.SPREAD_LIMIT,
                 _cluster_spread(mode),
                 at_most=True,
             ),
             Target(
                 f"cluster CPU per task, {label}",
-                f"queue_shards {shards}, summed over masters: at most "
-                f"{cluster_level.COST_LIMIT}x queue_shards 1",
+                f"{sharded}, summed over masters: at most {cluster_level.COST_LIMIT}x unsharded ({split})",
                 cluster_level.COST_LIMIT,
                 _cluster_cost(mode),
                 at_most=True,

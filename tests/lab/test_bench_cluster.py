@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.bench.cluster_level import sharded_ratio, spread, system
+from lab.bench.cluster_level import LONE, SHARDED, SPLIT, ratio, spread
 from lab.bench.core import Measurement
 
 
@@ -15,13 +15,16 @@ def test_the_spread_is_the_farthest_master_from_an_even_share_of_the_sum():
     assert spread({"A": 0.0, "B": 0.0, "C": 0.0}) is None
 
 
-def test_the_cost_ratio_pairs_the_two_settings_round_by_round():
-    """A load that hit one round hits both of its settings: the median of the per-round ratios ignores it,
+def test_the_cost_ratio_pairs_the_settings_round_by_round():
+    """A load that hit one round hits every setting of it: the median of the per-round ratios ignores it,
     where the ratio of the medians would not."""
     figure = Measurement("cluster.cpu.publish", "cluster", "publish", "µs/msg")
-    for unsharded, sharded in ((50.0, 55.0), (100.0, 110.0), (52.0, 57.2), (90.0, 99.0), (48.0, 52.8)):
-        figure.add(system(1), unsharded)
-        figure.add(system(6), sharded)
-    assert sharded_ratio(figure) == pytest.approx(1.1)
-    figure.repeats[system(6)].pop()  # A failed round: the ratio of the medians instead.
-    assert sharded_ratio(figure) == pytest.approx(figure.values[system(6)] / figure.values[system(1)])
+    for split, sharded in ((50.0, 55.0), (100.0, 110.0), (52.0, 57.2), (90.0, 99.0), (48.0, 52.8)):
+        figure.add(SPLIT.key, split)
+        figure.add(SHARDED.key, sharded)
+    assert ratio(figure, SHARDED, SPLIT) == pytest.approx(1.1)
+    assert ratio(figure, SHARDED, LONE) is None
+    figure.repeats[SHARDED.key].pop()  # A failed round: the ratio of the medians instead.
+    assert ratio(figure, SHARDED, SPLIT) == pytest.approx(
+        figure.values[SHARDED.key] / figure.values[SPLIT.key]
+    )
