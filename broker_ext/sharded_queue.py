@@ -185,8 +185,16 @@ class ShardedQueue:
         return ReclaimResult(sum(result.reclaimed for result in results), dead)
 
     def reclaim_all(self, batch: int = 1000) -> tuple[int, int]:
-        totals = [shard.reclaim_all(batch) for shard in self.shards]
-        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+        """Reclaim every shard until none has an expired lease left: one round trip per node a pass."""
+        reclaimed = dead = 0
+        shards = self.shards
+        while shards:
+            results = _raise_first(self._run([shard.reclaim_call(batch) for shard in shards]))
+            reclaimed += sum(result.reclaimed for result in results)
+            dead += sum(len(result.dead_lettered) for result in results)
+            pairs = zip(shards, results, strict=True)
+            shards = [shard for shard, result in pairs if result.reclaimed + len(result.dead_lettered) >= batch]
+        return reclaimed, dead
 
     def purge(self, batch: int = 1000) -> int:
         return sum(shard.purge(batch) for shard in self.shards)
