@@ -193,7 +193,7 @@ class ShardedQueue:
             reclaimed += sum(result.reclaimed for result in results)
             dead += sum(len(result.dead_lettered) for result in results)
             pairs = zip(shards, results, strict=True)
-            shards = [shard for shard, result in pairs if result.reclaimed + len(result.dead_lettered) >= batch]
+            shards = [shard for shard, done in pairs if done.reclaimed + len(done.dead_lettered) >= batch]
         return reclaimed, dead
 
     def purge(self, batch: int = 1000) -> int:
