@@ -244,6 +244,10 @@ def test_queue_status_shows_the_logical_queue_and_each_shard_with_shards(redis_s
         call_command("queue_status", "--queue", "hot", "--shards", "--json", stdout=out)
         rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
         assert rows == {"hot": 6, "hot[0]": 2, "hot[1]": 2, "hot[2]": 2}
+        out = io.StringIO()
+        call_command("queue_status", "--json", stdout=out)  # every queue found in Redis: shards are "hot"
+        rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
+        assert rows["hot"] == 6 and not [name for name in rows if name.startswith("hot") and name != "hot"]
     finally:
         reset_connections(app)
 
