@@ -137,11 +137,22 @@ class ShardedQueue:
                 answers[id(delivery)] = reply
         return [answers[id(delivery)] for delivery in deliveries]
 
+    def _calls_per_shard(
+        self, deliveries: Sequence[Delivery], make: Callable[[FencedQueue, list], ScriptCall]
+    ) -> list:
+        """One call per shard, all in one round trip per node; the replies in the order of ``deliveries``."""
+        groups = self._by_shard(deliveries)
+        results = _raise_first(
+            self._run([make(self.shards[shard], group) for shard, group in groups.items()])
+        )
+        replies = iter(results)
+        return self._per_shard(deliveries, lambda shard, group: next(replies))
+
     def ack(self, deliveries: Sequence[Delivery]) -> list[Reply]:
-        return self._per_shard(deliveries, lambda shard, group: shard.ack(group))
+        return self._calls_per_shard(deliveries, lambda shard, group: shard.ack_call(group))
 
     def extend(self, deliveries: Sequence[Delivery]) -> list[Reply]:
-        return self._per_shard(deliveries, lambda shard, group: shard.extend(group))
+        return self._calls_per_shard(deliveries, lambda shard, group: shard.extend_call(group))
 
     def requeue(self, deliveries: Sequence[Delivery], **options) -> list[Reply]:
         return self._per_shard(deliveries, lambda shard, group: shard.requeue(group, **options))
