@@ -226,9 +226,12 @@ def test_dead_letters_reclaim_delayed_priorities_and_requeue_see_the_logical_que
 
 
 @pytest.mark.django_db
-def test_queue_status_shows_the_logical_queue_and_each_shard_with_shards(redis_server, redis_db, settings):
+def test_queue_status_and_metrics_show_the_logical_queue_and_queue_status_each_shard_with_shards(
+    redis_server, redis_db, settings
+):
     from django.core.management import call_command
 
+    from queueapp.metrics import broker_snapshot
     from settings.celery import app
     from tests.helpers import reset_connections
 
@@ -249,6 +252,10 @@ def test_queue_status_shows_the_logical_queue_and_each_shard_with_shards(redis_s
         call_command("queue_status", "--json", stdout=out)  # every queue found in Redis: shards are "hot"
         rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
         assert rows["hot"] == 6 and not [name for name in rows if name.startswith("hot") and name != "hot"]
+        snapshot = broker_snapshot(app)  # what /metrics reports
+        assert [(stats.queue, stats.ready) for stats in snapshot.stats if stats.queue.startswith("hot")] == [
+            ("hot", 6)
+        ]
     finally:
         reset_connections(app)
 
