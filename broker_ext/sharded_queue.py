@@ -137,11 +137,22 @@ class ShardedQueue:
                 answers[id(delivery)] = reply
         return [answers[id(delivery)] for delivery in deliveries]
 
+    def _calls_per_shard(
+        self, deliveries: Sequence[Delivery], make: Callable[[FencedQueue, list], ScriptCall]
+    ) -> list:
+        """One call per shard, all in one round trip per node; the replies in the order of ``deliveries``."""
+        groups = self._by_shard(deliveries)
+        results = _raise_first(
+            self._run([make(self.shards[shard], group) for shard, group in groups.items()])
+        )
+        replies = iter(results)
+        return self._per_shard(deliveries, lambda shard, group: next(replies))
+
     def ack(self, deliveries: Sequence[Delivery]) -> list[Reply]:
-        return self._per_shard(deliveries, lambda shard, group: shard.ack(group))
+        return self._calls_per_shard(deliveries, lambda shard, group: shard.ack_call(group))
 
     def extend(self, deliveries: Sequence[Delivery]) -> list[Reply]:
-        return self._per_shard(deliveries, lambda shard, group: shard.extend(group))
+        return self._calls_per_shard(deliveries, lambda shard, group: shard.extend_call(group))
 
     def requeue(self, deliveries: Sequence[Delivery], **options) -> list[Reply]:
         return self._per_shard(deliveries, lambda shard, group: shard.requeue(group, **options))
@@ -185,8 +196,16 @@ class ShardedQueue:
         return ReclaimResult(sum(result.reclaimed for result in results), dead)
 
     def reclaim_all(self, batch: int = 1000) -> tuple[int, int]:
-        totals = [shard.reclaim_all(batch) for shard in self.shards]
-        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+        """Reclaim every shard until none has an expired lease left: one round trip per node a pass."""
+        reclaimed = dead = 0
+        shards = self.shards
+        while shards:
+            results = _raise_first(self._run([shard.reclaim_call(batch) for shard in shards]))
+            reclaimed += sum(result.reclaimed for result in results)
+            dead += sum(len(result.dead_lettered) for result in results)
+            pairs = zip(shards, results, strict=True)
+            shards = [shard for shard, done in pairs if done.reclaimed + len(done.dead_lettered) >= batch]
+        return reclaimed, dead
 
     def purge(self, batch: int = 1000) -> int:
         return sum(shard.purge(batch) for shard in self.shards)

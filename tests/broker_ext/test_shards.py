@@ -20,6 +20,7 @@ import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
+from broker_ext import nodes
 from broker_ext.errors import ConfigurationError, Reply
 from broker_ext.options import check
 from broker_ext.qos import by_shard
@@ -225,9 +226,12 @@ def test_dead_letters_reclaim_delayed_priorities_and_requeue_see_the_logical_que
 
 
 @pytest.mark.django_db
-def test_queue_status_shows_the_logical_queue_and_each_shard_with_shards(redis_server, redis_db, settings):
+def test_queue_status_and_metrics_show_the_logical_queue_and_queue_status_each_shard_with_shards(
+    redis_server, redis_db, settings
+):
     from django.core.management import call_command
 
+    from queueapp.metrics import broker_snapshot
     from settings.celery import app
     from tests.helpers import reset_connections
 
@@ -244,6 +248,14 @@ def test_queue_status_shows_the_logical_queue_and_each_shard_with_shards(redis_s
         call_command("queue_status", "--queue", "hot", "--shards", "--json", stdout=out)
         rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
         assert rows == {"hot": 6, "hot[0]": 2, "hot[1]": 2, "hot[2]": 2}
+        out = io.StringIO()
+        call_command("queue_status", "--json", stdout=out)  # every queue found in Redis: shards are "hot"
+        rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
+        assert rows["hot"] == 6 and not [name for name in rows if name.startswith("hot") and name != "hot"]
+        snapshot = broker_snapshot(app)  # what /metrics reports
+        assert [(stats.queue, stats.ready) for stats in snapshot.stats if stats.queue.startswith("hot")] == [
+            ("hot", 6)
+        ]
     finally:
         reset_connections(app)
 
@@ -288,3 +300,49 @@ def test_a_celery_worker_consuming_the_queue_runs_the_tasks_of_every_shard(
         published = [shard.stats().counters.get("published", 0) for shard in queue.shards]
         assert len(published) == 3 and all(published), published
         assert wait_for(lambda: queue.stats().leased == 0, timeout=10)
+
+
+def test_after_resharding_the_stored_tags_stay_and_calls_grouped_per_node_follow_moved(
+    cluster_url, redis_cluster, monkeypatch
+):
+    """A shard's slot moves to another master: the layout keeps its tags, a client whose slot map is
+    stale has that shard's calls redirected (MOVED) and sent again, and nothing is lost or doubled."""
+    options = {**CLUSTER, "queue_shards": {"resharded": 3}}
+    conn = Connection(cluster_url, transport_options=options)
+    try:
+        channel = conn.channel()
+        queue = channel.fenced_queue("resharded")
+        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 4)])
+        first = [item.delivery for item in queue.claim(3)]
+        moved = queue.shards[1]
+        slot = redis_cluster.nodes[0].client().cluster("keyslot", moved.keys.wake)
+        source = redis_cluster.master_for(moved.keys.wake)
+        target = redis_cluster.master_for(queue.shards[2].keys.wake)
+        source_id, target_id = source.client().cluster("myid"), target.client().cluster("myid")
+        target.client().cluster("setslot", slot, "importing", source_id)
+        source.client().cluster("setslot", slot, "migrating", target_id)
+        source.client().migrate(
+            "127.0.0.1", target.port, source.client().cluster("getkeysinslot", slot, 1000), 0, 5000
+        )
+        for node in redis_cluster.live_nodes():
+            node.client().cluster("setslot", slot, "node", target_id)
+
+        redirected: list[bool] = []
+        original = nodes._redirected
+        monkeypatch.setattr(
+            nodes, "_redirected", lambda reply: redirected.append(original(reply)) or original(reply)
+        )
+        assert queue.ack(first) == [Reply.OK] * 3
+        assert True in redirected  # shard 1's ack met MOVED on the node the stale map named, then went on
+        rest = queue.claim(20)
+        assert len(rest) == 9 and queue.ack([item.delivery for item in rest]) == [Reply.OK] * 9
+        assert queue.stats().counters["acked"] == 12
+
+        again = Connection(cluster_url, transport_options=options)
+        try:
+            tags = [shard.keys.wake for shard in again.channel().fenced_queue("resharded").shards]
+        finally:
+            again.release()
+        assert tags == [shard.keys.wake for shard in queue.shards]
+    finally:
+        conn.release()
