@@ -29,6 +29,7 @@ import json
 import os
 import selectors
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -200,7 +201,7 @@ class Harness:
     def stop(self) -> None:
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, 9)
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
         for stream in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(OSError):
