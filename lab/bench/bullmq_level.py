@@ -93,30 +93,27 @@ def unavailable() -> str | None:
     return None
 
 
-def lock_digest() -> str:
-    return hashlib.sha256((HARNESS_DIR / "package-lock.json").read_bytes()).hexdigest()
-
-
-def install(progress: Callable[[str], None] = print) -> str | None:
+def install(progress: Callable[[str], None] = print, directory: Path | None = None) -> str | None:
     """``npm ci`` the harness's packages unless the installed ones match the lock file; None or why not.
 
-    A file lock keeps two runs (a bench and a test) from installing at once.
+    ``directory`` is the harness's (``HARNESS_DIR``). A file lock keeps two
+    runs (a bench and a test) from installing at once.
     """
     reason = unavailable()
     if reason:
         return reason
-    modules = HARNESS_DIR / "node_modules"
-    digest = lock_digest()
-    with (HARNESS_DIR / ".install.lock").open("w") as lock:
+    directory = directory or HARNESS_DIR
+    digest = hashlib.sha256((directory / "package-lock.json").read_bytes()).hexdigest()
+    with (directory / ".install.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        stamp = modules / STAMP
+        stamp = directory / "node_modules" / STAMP
         if stamp.exists() and stamp.read_text().strip() == digest:
             return None
-        progress("installing BullMQ for the bench (npm ci from lab/bench/bullmq/package-lock.json)")
+        progress(f"installing BullMQ for the bench (npm ci from {directory.name}/package-lock.json)")
         try:
             result = subprocess.run(
                 ["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund"],
-                cwd=HARNESS_DIR,
+                cwd=directory,
                 capture_output=True,
                 text=True,
                 timeout=NPM_TIMEOUT,
@@ -124,10 +121,16 @@ def install(progress: Callable[[str], None] = print) -> str | None:
         except subprocess.TimeoutExpired:
             return f"npm ci did not finish in {NPM_TIMEOUT:.0f}s"
         if result.returncode != 0:
-            tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-            return f"npm ci failed (exit {result.returncode}): {' / '.join(tail)}"
+            return f"npm ci failed (exit {result.returncode}): {npm_error(result.stderr or result.stdout)}"
         stamp.write_text(digest)
     return None
+
+
+def npm_error(output: str) -> str:
+    """The lines of npm's output that say what went wrong (not its pointers to help and logs)."""
+    said = [line.removeprefix("npm error").strip() for line in output.splitlines()]
+    said = [line for line in said if line and not line.startswith(('Run "npm help', "A complete log"))]
+    return " / ".join(said[:2]) or output.strip()[-300:]
 
 
 class Harness:

@@ -12,8 +12,10 @@ level is skipped with its reason.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,3 +133,25 @@ def test_without_node_the_level_is_skipped_with_its_reason(redis_server, tmp_pat
     assert "`node` is not on PATH" in skipped["why"]
     statuses = {target["name"]: target["status"] for target in evaluate_targets(run)}
     assert {statuses[name] for name in BULLMQ_TARGETS} == {"MISSING"}
+
+
+def test_when_npm_ci_fails_the_level_is_skipped_with_npm_s_reason(redis_server, tmp_path, monkeypatch):
+    """A lock file out of step with package.json: npm ci refuses, before it downloads anything."""
+    if bullmq_level.unavailable():
+        pytest.skip(bullmq_level.unavailable())
+    harness = tmp_path / "bullmq"
+    harness.mkdir()
+    shutil.copy(bullmq_level.HARNESS_DIR / "package-lock.json", harness)
+    package = json.loads((bullmq_level.HARNESS_DIR / "package.json").read_text())
+    package["dependencies"]["left-pad"] = "1.3.0"  # Not in the lock file.
+    (harness / "package.json").write_text(json.dumps(package))
+    monkeypatch.setattr(bullmq_level, "HARNESS_DIR", harness)
+    run = bench_run(redis_server, tmp_path)
+
+    bullmq_level.run_level(run)
+
+    assert run.measurements == []
+    [skipped] = run.skipped
+    assert skipped["why"].startswith("npm ci failed (exit ")
+    assert "in sync" in skipped["why"]  # npm's own words, not its pointer to a log.
+    assert not (harness / "node_modules" / bullmq_level.STAMP).exists()
