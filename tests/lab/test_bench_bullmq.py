@@ -6,8 +6,8 @@ noise, so nothing here compares them: the tests prove that each system's
 figures were measured, that the counts are the ones Redis saw (commands per
 message above zero, the scripts' inner commands included, BullMQ's jobs of
 a concurrency-1 span exactly the run's), that the targets are evaluated,
-that no harness process outlives the level, and that without Node.js the
-level is skipped with its reason.
+that no harness process outlives the level, and that without Node.js, or
+when ``npm ci`` fails, the level is skipped with its reason.
 """
 
 from __future__ import annotations
