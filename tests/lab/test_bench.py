@@ -202,6 +202,18 @@ def test_the_cluster_level_meters_each_master_and_sums_them(bench_report):
             assert busiest > 0.8 * sum(unsharded["per_master_us"].values()), (mode, unsharded)
 
 
+def test_bullmq_is_measured_beside_both_transports_or_skipped_with_its_reason(bench_report):
+    """The level needs Node.js and npm ci: without them the run says why, and measures nothing of it."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    skipped = [skip for skip in bench_report["skipped"] if skip["level"] == "bullmq"]
+    if skipped:
+        assert skipped[0]["why"]
+        assert not any(key.startswith("bullmq.") for key in figures)
+        return
+    for key in ("bullmq.publish", "bullmq.batch_publish", "bullmq.consume.c1", "bullmq.consume.c100"):
+        assert figures[key]["values"].keys() == BOTH | {"bullmq"}, key
+
+
 def test_the_run_leaves_no_process_behind(bench_report):
     """Every redis-server, worker and consumer the bench started is gone, with its children, once it exits."""
     started = bench_report["meta"]["started_pids"]

@@ -15,6 +15,7 @@ from rich.console import Console
 
 import broker_ext  # noqa: F401  (registers fenced://)
 from lab.bench import (
+    bullmq_level,
     celery_level,
     cluster_level,
     dramatiq_level,
@@ -33,6 +34,7 @@ LEVELS = {
     "celery": (celery_level.run_level,),
     "exactly_once": (exactly_once_level.run_level,),
     "scaling": (scaling.run_level,),
+    "bullmq": (bullmq_level.run_level,),
     "cluster": (cluster_level.run_level,),
     "redis": (redis_load.run_level,),
 }
@@ -47,7 +49,8 @@ class Command(BaseCommand):
         "Measure the fenced:// transport against the stock Kombu redis:// transport on a private Redis: "
         "publish and consume+ack (Kombu), no-op tasks through real Celery workers, the exactly-once "
         "record on SQLite and PostgreSQL, claim/ack cost at depth, reclaim, memory, Redis ops/s against "
-        "redis-benchmark's ceiling, and Dramatiq's drain for comparison. Prints a table with ratios and "
+        "redis-benchmark's ceiling, Dramatiq's drain and BullMQ's Redis cost (when Node.js is installed) "
+        "for comparison. Prints a table with ratios and "
         "PASS/FAIL per target (never fails on a target); --json prints every figure."
     )
     # The bench starts its own Redis: the system checks would look at the one in settings instead.
