@@ -49,12 +49,14 @@ import contextlib
 import itertools
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 from kombu import Connection, Consumer, Producer, Queue
+from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
 from broker_ext.keys import QueueKeys
@@ -204,7 +206,8 @@ class ClusterBench:
 
     def meter(self) -> ClusterMeter:
         return ClusterMeter(
-            {name: LoadMeter(client, self.idle_per_s[name]) for name, client in self.masters.items()}
+            {name: LoadMeter(client, self.idle_per_s[name]) for name, client in self.masters.items()},
+            {client.get_connection_kwargs()["port"]: name for name, client in self.masters.items()},
         )
 
     def stop(self) -> None:
@@ -215,19 +218,47 @@ class ClusterBench:
 
 @dataclass
 class ClusterMeter:
-    """A :class:`LoadMeter` on each master, started and stopped together."""
+    """A :class:`LoadMeter` on each master, started and stopped together, and the round trips to each.
+
+    Round trips are the writes redis-py makes to a master's port from this
+    process while the meter runs (as :class:`lab.bench.cost.RoundTrips`
+    counts them, wake relay threads included); the meters' own ``INFO``
+    calls fall outside.
+    """
 
     meters: dict[str, LoadMeter]
+    ports: dict[int, str]
     loads: dict[str, RedisLoad] = field(default_factory=dict)
+    round_trips: dict[str, int] = field(default_factory=dict)
+    _original: Callable | None = None
 
     def start(self) -> ClusterMeter:
         for meter in self.meters.values():
             meter.start()
+        self.round_trips = dict.fromkeys(self.meters, 0)
+        self._original = original = AbstractConnection.send_packed_command
+        lock, counts, ports = threading.Lock(), self.round_trips, self.ports
+
+        def send_packed_command(connection, command, check_health=True):
+            name = ports.get(getattr(connection, "port", None))
+            if name is not None:
+                with lock:
+                    counts[name] += 1
+            return original(connection, command, check_health)
+
+        AbstractConnection.send_packed_command = send_packed_command
         return self
 
     def stop(self) -> dict[str, RedisLoad]:
+        if self._original is not None:
+            AbstractConnection.send_packed_command, self._original = self._original, None
         self.loads = {name: meter.stop() for name, meter in self.meters.items()}
         return self.loads
+
+    def close(self) -> None:
+        """Undo the counting if the span never ended (a failed run)."""
+        if self._original is not None:
+            AbstractConnection.send_packed_command, self._original = self._original, None
 
 
 @dataclass(frozen=True)
@@ -238,14 +269,17 @@ class Round:
     cpu_us: dict[str, float]
     script_usec: dict[str, float]
     commands: dict[str, float]
+    round_trips: dict[str, float]
 
     @classmethod
-    def of(cls, rate: float, loads: dict[str, RedisLoad], messages: int) -> Round:
+    def of(cls, rate: float, meter: ClusterMeter, messages: int) -> Round:
+        loads = meter.loads
         return cls(
             rate,
             {name: load.net_cpu_seconds * 1e6 / messages for name, load in loads.items()},
             {name: load.usec.get("evalsha", 0) / messages for name, load in loads.items()},
             {name: load.total_calls / messages for name, load in loads.items()},
+            {name: count / messages for name, count in meter.round_trips.items()},
         )
 
 
@@ -260,13 +294,14 @@ def publish_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
     """Publish ``messages`` one ``Producer.publish`` at a time, or inside ``Producer.batch()``."""
     bench.flush()
     queues = bench.queues("publish", setting)
-    with bench.connection(setting) as connection:
+    meter = bench.meter()
+    with bench.connection(setting) as connection, contextlib.closing(meter):
         channel = connection.default_channel
         for queue in queues:
             queue(channel).declare()
         producer = Producer(channel)
         publish_all(producer, queues, 0, warmup)
-        meter = bench.meter().start()
+        meter.start()
         started = time.perf_counter()
         if batch:
             with producer.batch():
@@ -274,11 +309,11 @@ def publish_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
         else:
             publish_all(producer, queues, warmup, messages)
         seconds = time.perf_counter() - started
-        loads = meter.stop()
+        meter.stop()
     stored = bench.remaining()
     if stored != warmup + messages:
         raise AssertionError(f"{setting.label}: {stored} messages stored, {warmup + messages} published")
-    return Round.of(messages / seconds, loads, messages)
+    return Round.of(messages / seconds, meter, messages)
 
 
 def drain(connections: list[Connection], done: Callable[[], bool], timeout: float, label: str) -> None:
@@ -332,6 +367,7 @@ def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
             meter.stop()
 
     with contextlib.ExitStack() as stack:
+        stack.callback(meter.close)
         connections = [stack.enter_context(bench.connection(setting)) for _ in queues]
         channel = connections[0].default_channel
         for queue in queues:
@@ -348,7 +384,7 @@ def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
         drain(connections, lambda: count >= total, DRAIN_TIMEOUT + messages / 100, setting.label)
         if not wait_for(lambda: settled(bench, connections), timeout=DRAIN_TIMEOUT, interval=0.001):
             raise AssertionError(f"{setting.label}: acks did not all land in {DRAIN_TIMEOUT}s")
-    return Round.of(messages / (marks["end"] - marks["start"]), meter.loads, messages)
+    return Round.of(messages / (marks["end"] - marks["start"]), meter, messages)
 
 
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -377,6 +413,7 @@ def record(run: BenchRun, mode: str, label: str, rounds: dict[Setting, list[Roun
             "spread": spread(per_master),
             "script_usec_per_message": round(sum(medians([one.script_usec for one in measured]).values()), 2),
             "commands_per_message": medians([one.commands for one in measured]),
+            "round_trips_per_message": medians([one.round_trips for one in measured]),
             "rounds": len(measured),
         }
 
