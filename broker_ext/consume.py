@@ -34,6 +34,7 @@ from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
+from broker_ext.wake_relay import RELAYED
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +97,14 @@ class Consuming:
         estimate = self.qos.can_consume_max_estimate()
         return 1 if estimate is None else min(estimate, self.settings.claim_batch)
 
-    def claim(self, queue: str, count: int, *, no_ack: bool | None = None) -> list[dict]:
+    def claim(
+        self, queue: str, count: int, *, no_ack: bool | None = None, first: int | None = None
+    ) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
-        pending = self._claim_calls(queue, count, no_ack, wake_next=True)
+        pending = self._claim_calls(queue, count, no_ack, wake_next=True, first=first)
         try:
             results = self.run_calls(pending.calls)
         except self.connection_errors:
@@ -119,12 +122,14 @@ class Consuming:
             claimed += self._claimed_count
         return payloads
 
-    def _claim_calls(self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool) -> PendingClaim:
+    def _claim_calls(
+        self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool, first: int | None = None
+    ) -> PendingClaim:
         """The buffered acks (taken from the QoS) and a claim, as calls for one round trip."""
         if no_ack is None:
             no_ack = queue in self._no_ack_queues
         fenced = self.fenced_queue(queue)
-        plan = fenced.claim_plan(count)
+        plan = fenced.claim_plan(count, first)
         claims = [shard.claim_call(share, no_ack=no_ack, wake_next=wake_next) for shard, share in plan]
         unasked = [shard for shard in fenced.shards if shard not in {s for s, _ in plan}]
         return PendingClaim(queue, count, self.qos.pending_acks(), claims, unasked)
@@ -192,14 +197,18 @@ class Consuming:
             delivered += 1
         return delivered
 
-    def claim_and_deliver(self, queues: list[str]) -> int:
-        """Claim from ``queues`` in order while there is credit; returns how many were delivered."""
+    def claim_and_deliver(self, queues: list[str], first: int | None = None) -> int:
+        """Claim from ``queues`` in order while there is credit; returns how many were delivered.
+
+        ``first``: the shard of the first queue whose wake-up marker woke the consumer, asked first.
+        """
         delivered = 0
         for queue in queues:
             credit = self._credit()
             if credit <= 0:
                 break
-            delivered += self._deliver_claimed(queue, self.claim(queue, credit))
+            delivered += self._deliver_claimed(queue, self.claim(queue, credit, first=first))
+            first = None
         return delivered
 
     def _get(self, queue):
@@ -305,9 +314,9 @@ class Consuming:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken = queue_of_key(bytes_to_str(reply[0]), "wake")
+                woken, shard = self._woken(bytes_to_str(reply[0]), bytes_to_str(reply[1]))
                 self._queue_cycle.rotate(woken)
-                if woken in queues and self.claim_and_deliver([woken]):
+                if woken in queues and self.claim_and_deliver([woken], first=shard):
                     return True
             if self.claim_and_deliver(queues):
                 return True
@@ -315,6 +324,14 @@ class Consuming:
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
+
+    def _woken(self, key: str, member: str) -> tuple[str | None, int | None]:
+        """The queue and shard whose marker a BZPOPMIN took (a relayed one names its shard's marker)."""
+        key = member.removeprefix(RELAYED) if member.startswith(RELAYED) else key
+        queue = queue_of_key(key, "wake")
+        if queue is None or queue not in self.active_queues:
+            return queue, None
+        return queue, self.fenced_queue(queue).shard_of_wake(key)
 
     def _restore(self, message, leftmost=False):
         delivery = delivery_of(message.properties)

@@ -179,6 +179,9 @@ class FencedQueue:
         stock = {"unacked": source.unacked, "unacked_index": source.unacked_index, "list": source.list_key}
         return self.run(self._call("adopt_local", args, **stock))
 
+    def shard_of_wake(self, key: str) -> int | None:
+        return 0 if self.keys.wake.endswith(key) else None
+
     @property
     def shards(self) -> list[FencedQueue]:
         """The shards of the logical queue: this queue alone (see :mod:`broker_ext.sharded_queue`)."""
@@ -186,7 +189,7 @@ class FencedQueue:
 
     # -- consume -------------------------------------------------------------------------
 
-    def claim_plan(self, count: int) -> list[tuple[FencedQueue, int]]:
+    def claim_plan(self, count: int, first: int | None = None) -> list[tuple[FencedQueue, int]]:
         """Which shard a claim asks for how many: all of ``count`` from this one queue."""
         return [(self, count)]
 
