@@ -104,10 +104,6 @@ local wake_next = arg_int(ARGV[11], 'wake next', 0, 1) == 1
 local fk = {leases = leases, state = state, bodies = bodies, done = done, acks = acks, ready = ready,
             delayed = delayed, window = arg_int(ARGV[12], 'done window', 0, 1e12)}
 if not string.match(claim_id, '^%w+$') then error({err = 'FENCED BADARG claim id must be letters and digits'}) end
-local all_keys = {{ready, 'zset'}, {delayed, 'zset'}, {leases, 'zset'}, {bodies, 'hash'}, {state, 'hash'},
-                  {counters, 'string'}, {request, 'string'}, {dead, 'zset'}, {reasons, 'hash'},
-                  {wake_key, 'zset'}, {reclaims, 'list'}, {done, 'zset'}, {acks, 'hash'}}
-
 local now_ms, now_us = server_time()
 local out, dead_out = {}, {}
 local counts = {claimed = 0, dead_lettered = 0, acked = 0, reclaimed = 0, interrupted = 0, stray_leases_removed = 0}
@@ -125,7 +121,9 @@ if promote > 0 then due = guarded(nil, 'ZRANGE', delayed, '-inf', now_ms, 'BYSCO
 local expiring = reclaim_limit > 0 and #guarded(nil, 'ZRANGE', leases, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, 1) > 0
 local reclaimed = {reclaimed = 0, strays = 0, interrupted = 0, dead = {}}
 if #due > 0 or expiring then
-  check_types(all_keys)
+  check_types({{ready, 'zset'}, {delayed, 'zset'}, {leases, 'zset'}, {bodies, 'hash'}, {state, 'hash'},
+               {counters, 'string'}, {request, 'string'}, {dead, 'zset'}, {reasons, 'hash'},
+               {wake_key, 'zset'}, {reclaims, 'list'}, {done, 'zset'}, {acks, 'hash'}})
   local due_states = {}
   for i, id in ipairs(due) do due_states[i] = parse_state(redis.call('HGET', state, id)) end
   if expiring then

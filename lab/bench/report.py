@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from lab.bench import cost_level
 from lab.bench.core import DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
 
 LEVEL_TITLES = {
@@ -24,6 +25,7 @@ LEVEL_TITLES = {
     "celery": "Celery level (real worker processes, lab.noop)",
     "exactly_once": "Exactly-once level (lab.noop_exactly_once against the hand-written lab.noop_idempotent)",
     "scaling": "Scaling (depth, reclaim, memory)",
+    "cost": cost_level.TITLE,
     "redis": (
         "Redis load (ops counted by INFO commandstats, script-internal commands included;"
         " CPU per message from INFO cpu, main thread)"
@@ -184,6 +186,7 @@ TARGETS = (
         at_most=True,
     ),
     *_exactly_once_targets(),
+    *(Target(**target) for target in cost_level.TARGETS),
 )
 
 
