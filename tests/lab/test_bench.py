@@ -191,6 +191,18 @@ def test_each_metered_run_has_a_redis_cpu_row_per_transport_it_was_measured_on(b
             assert details["redis_cpu_us_measured"] >= details["redis_cpu_us_subtracted"] >= 0, (key, system)
 
 
+def test_bullmq_is_measured_beside_both_transports_or_skipped_with_its_reason(bench_report):
+    """The level needs Node.js and npm ci: without them the run says why, and measures nothing of it."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    skipped = [skip for skip in bench_report["skipped"] if skip["level"] == "bullmq"]
+    if skipped:
+        assert skipped[0]["why"]
+        assert not any(key.startswith("bullmq.") for key in figures)
+        return
+    for key in ("bullmq.publish", "bullmq.batch_publish", "bullmq.consume.c1", "bullmq.consume.c100"):
+        assert figures[key]["values"].keys() == BOTH | {"bullmq"}, key
+
+
 def test_the_run_leaves_no_process_behind(bench_report):
     """Every redis-server, worker and consumer the bench started is gone, with its children, once it exits."""
     started = bench_report["meta"]["started_pids"]

@@ -15,6 +15,7 @@ from rich.console import Console
 
 import broker_ext  # noqa: F401  (registers fenced://)
 from lab.bench import (
+    bullmq_level,
     celery_level,
     cost_level,
     dramatiq_level,
@@ -34,6 +35,7 @@ LEVELS = {
     "exactly_once": (exactly_once_level.run_level,),
     "scaling": (scaling.run_level,),
     "cost": (cost_level.run_level,),
+    "bullmq": (bullmq_level.run_level,),
     "redis": (redis_load.run_level,),
 }
 
@@ -48,7 +50,8 @@ class Command(BaseCommand):
         "publish and consume+ack (Kombu), no-op tasks through real Celery workers, the exactly-once "
         "record on SQLite and PostgreSQL, claim/ack cost at depth, reclaim, memory, commands and round "
         "trips per message, idle consumers and tasks per Redis core, Redis ops/s against "
-        "redis-benchmark's ceiling, and Dramatiq's drain for comparison. Prints a table with ratios and "
+        "redis-benchmark's ceiling, Dramatiq's drain and BullMQ's Redis cost (when Node.js is installed) "
+        "for comparison. Prints a table with ratios and "
         "PASS/FAIL per target (never fails on a target); --json prints every figure."
     )
     # The bench starts its own Redis: the system checks would look at the one in settings instead.
