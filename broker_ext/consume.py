@@ -12,6 +12,12 @@ same acks; it sets the marker again while messages remain, for the next
 idle consumer (the claims of a busy consumer's poll do not: it claims again
 at once). Ending deliveries (acks, rejects, give-backs) is the QoS's
 (:mod:`broker_ext.qos`).
+
+A sharded queue (:mod:`broker_ext.shards`) is claimed with one call per
+shard its claim plan asks, in one round trip per node; the consumer waits on
+every shard's marker, and a woken consumer asks the shard whose marker it
+took first, so that the claim that takes from it sets it again while
+messages remain there.
 """
 
 from __future__ import annotations
