@@ -61,6 +61,8 @@ class Channel(Consuming, kombu_redis.Channel):
         #: How many messages the last claim's replies held (before malformed ones were set aside).
         self._claimed_count = 0
         self._polled_claim: PendingClaim | None = None
+        #: When each queue's next claim reclaims and promotes (monotonic), for a busy consumer's polls.
+        self._upkeep_due: dict[str, float] = {}
         super().__init__(connection, *args, **kwargs)
         self._queues: dict[str, FencedQueue | ShardedQueue] = {}
         self._no_ack_queues: set[str] = set()

@@ -12,6 +12,12 @@ same acks; it sets the marker again while messages remain, for the next
 idle consumer (the claims of a busy consumer's poll do not: it claims again
 at once). Ending deliveries (acks, rejects, give-backs) is the QoS's
 (:mod:`broker_ext.qos`).
+
+A sharded queue (:mod:`broker_ext.shards`) is claimed with one call per
+shard its claim plan asks, in one round trip per node; the consumer waits on
+every shard's marker, and a woken consumer asks the shard whose marker it
+took first, so that the claim that takes from it sets it again while
+messages remain there.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
 from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import FencedQueue, new_claim_id
-from broker_ext.records import Claimed, Delivery
+from broker_ext.records import Claimed, ClaimReply, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
+from broker_ext.wake_relay import RELAYED
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +49,8 @@ Empty = kombu_redis.Empty
 
 @dataclass(frozen=True)
 class PendingClaim:
-    """A claim on its way (one call per shard asked), with the buffered acks that travel ahead of it
-    in the same round trip (one per node)."""
+    """A claim on its way (one call per shard asked), the first carrying the buffered acks of its
+    shard; other shards' and queues' acks go ahead of it in the same round trips (one per node)."""
 
     queue: str
     count: int
@@ -96,12 +103,14 @@ class Consuming:
         estimate = self.qos.can_consume_max_estimate()
         return 1 if estimate is None else min(estimate, self.settings.claim_batch)
 
-    def claim(self, queue: str, count: int, *, no_ack: bool | None = None) -> list[dict]:
+    def claim(
+        self, queue: str, count: int, *, no_ack: bool | None = None, first: int | None = None
+    ) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
-        pending = self._claim_calls(queue, count, no_ack, wake_next=True)
+        pending = self._claim_calls(queue, count, no_ack, wake_next=True, first=first)
         try:
             results = self.run_calls(pending.calls)
         except self.connection_errors:
@@ -119,31 +128,64 @@ class Consuming:
             claimed += self._claimed_count
         return payloads
 
-    def _claim_calls(self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool) -> PendingClaim:
-        """The buffered acks (taken from the QoS) and a claim, as calls for one round trip."""
+    def _claim_calls(
+        self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool, first: int | None = None
+    ) -> PendingClaim:
+        """The buffered acks (taken from the QoS) and a claim per shard asked, the first one carrying its
+        shard's acks: one round trip per node.
+
+        A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
+        and promotes only every ``upkeep_interval``; any other claim does.
+        """
         if no_ack is None:
             no_ack = queue in self._no_ack_queues
+        now = kombu_redis.monotonic()
+        upkeep = wake_next or now >= self._upkeep_due.get(queue, 0.0)
+        if upkeep:
+            self._upkeep_due[queue] = now + self.settings.upkeep_interval
         fenced = self.fenced_queue(queue)
-        plan = fenced.claim_plan(count)
-        claims = [shard.claim_call(share, no_ack=no_ack, wake_next=wake_next) for shard, share in plan]
-        unasked = [shard for shard in fenced.shards if shard not in {s for s, _ in plan}]
-        return PendingClaim(queue, count, self.qos.pending_acks(), claims, unasked)
+        plan = fenced.claim_plan(count, first)
+        acks = self.qos.pending_acks(carried_by=(queue, plan[0][0].shard) if plan else None)
+        claims = [
+            shard.acking_claim_call(
+                acks.carried_deliveries if i == 0 else (),
+                share,
+                no_ack=no_ack,
+                wake_next=wake_next,
+                upkeep=upkeep,
+            )
+            for i, (shard, share) in enumerate(plan)
+        ]
+        asked = {shard.shard for shard, _ in plan}
+        unasked = [shard for shard in fenced.shards if shard.shard not in asked]
+        return PendingClaim(queue, count, acks, claims, unasked)
 
     def _shard_claim(self, shard: FencedQueue, count: int) -> ScriptCall:
-        return shard.claim_call(count, no_ack=shard.name in self._no_ack_queues, wake_next=True)
+        no_ack = shard.name in self._no_ack_queues
+        return shard.acking_claim_call((), count, no_ack=no_ack, wake_next=True)
 
     def _claimed_payloads(self, pending: PendingClaim, results: list) -> list[dict]:
-        """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full."""
-        acked = len(pending.acks.calls)
-        self.qos.settle_acks(pending.acks, results[:acked])
+        """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full.
+
+        A shard whose claim failed is logged while the others' messages are
+        delivered; only when every shard's claim failed does the error go up.
+        """
+        sent_apart = len(pending.acks.calls)
+        replies = results[sent_apart:]
+        first = replies[0] if replies else None
+        # The first claim carried its shard's acks: a failed one did not do them either.
+        self.qos.settle_acks(
+            pending.acks, results[:sent_apart], first.acked if isinstance(first, ClaimReply) else first
+        )
         claimed: list[Claimed] = []
-        for result in results[acked:]:
-            if isinstance(result, ScriptRefused):
-                logger.error("claim on %r refused; its keys need an operator: %s", pending.queue, result)
-            elif isinstance(result, Exception):
-                raise result
+        failures = [reply for reply in replies if not isinstance(reply, ClaimReply)]
+        for reply in replies:
+            if isinstance(reply, ClaimReply):
+                claimed += reply.claimed
             else:
-                claimed += result
+                logger.error("claim on %r failed or refused: %s", pending.queue, reply)
+        if failures and len(failures) == len(replies) and not isinstance(failures[0], ScriptRefused):
+            raise failures[0]
         self._claimed_count = len(claimed)
         # A full claim means more may be waiting: the next poll claims directly instead of blocking.
         self._more_ready = pending.queue if len(claimed) >= pending.count else None
@@ -192,14 +234,18 @@ class Consuming:
             delivered += 1
         return delivered
 
-    def claim_and_deliver(self, queues: list[str]) -> int:
-        """Claim from ``queues`` in order while there is credit; returns how many were delivered."""
+    def claim_and_deliver(self, queues: list[str], first: int | None = None) -> int:
+        """Claim from ``queues`` in order while there is credit; returns how many were delivered.
+
+        ``first``: the shard of the first queue whose wake-up marker woke the consumer, asked first.
+        """
         delivered = 0
         for queue in queues:
             credit = self._credit()
             if credit <= 0:
                 break
-            delivered += self._deliver_claimed(queue, self.claim(queue, credit))
+            delivered += self._deliver_claimed(queue, self.claim(queue, credit, first=first))
+            first = None
         return delivered
 
     def _get(self, queue):
@@ -259,11 +305,17 @@ class Consuming:
             connection.disconnect()
             self.qos.buffer_acks(pending.acks.deliveries)
             raise
-        claims = results[len(pending.acks.calls) :]
+        sent_apart = len(pending.acks.calls)
+        claims = results[sent_apart:]
         if any(result is NOT_RUN for result in claims):
-            self.qos.settle_acks(pending.acks, results[: len(pending.acks.calls)])
+            first = claims[0]
+            carried = first.acked if isinstance(first, ClaimReply) else first
+            self.qos.settle_acks(pending.acks, results[:sent_apart], carried)
             # _more_ready is unchanged: the next poll claims again (what the others claimed is given back).
-            self._give_back([p for r in claims if isinstance(r, list) for p in map(self._payload_of, r) if p])
+            taken = [
+                claimed for reply in claims if isinstance(reply, ClaimReply) for claimed in reply.claimed
+            ]
+            self._give_back([payload for payload in map(self._payload_of, taken) if payload is not None])
             raise Empty()
         payloads = self._claimed_payloads(pending, results)
         if self._closing:
@@ -305,9 +357,9 @@ class Consuming:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken = queue_of_key(bytes_to_str(reply[0]), "wake")
+                woken, shard = self._woken(bytes_to_str(reply[0]), bytes_to_str(reply[1]))
                 self._queue_cycle.rotate(woken)
-                if woken in queues and self.claim_and_deliver([woken]):
+                if woken in queues and self.claim_and_deliver([woken], first=shard):
                     return True
             if self.claim_and_deliver(queues):
                 return True
@@ -315,6 +367,14 @@ class Consuming:
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
+
+    def _woken(self, key: str, member: str) -> tuple[str | None, int | None]:
+        """The queue and shard whose marker a BZPOPMIN took (a relayed one names its shard's marker)."""
+        key = member.removeprefix(RELAYED) if member.startswith(RELAYED) else key
+        queue = queue_of_key(key, "wake")
+        if queue is None or queue not in self.active_queues:
+            return queue, None
+        return queue, self.fenced_queue(queue).shard_of_wake(key)
 
     def _restore(self, message, leftmost=False):
         delivery = delivery_of(message.properties)

@@ -73,6 +73,11 @@ class ShardedQueue:
         """The shard a message is published to: by its dedup key when it has one, else its id."""
         return self.shards[shard_index(message.dedup_key or message.message_id, len(self.shards))]
 
+    def shard_of_wake(self, key: str) -> int | None:
+        """The shard whose wake-up marker is ``key`` (``None``: none of this queue's). A BZPOPMIN reply
+        through Kombu's prefixed client names the key without ``global_keyprefix``."""
+        return next((shard.shard for shard in self.shards if shard.keys.wake.endswith(key)), None)
+
     def shard_for(self, delivery: Delivery) -> FencedQueue:
         return self.shards[delivery.shard] if delivery.shard < len(self.shards) else self.shards[0]
 
@@ -96,12 +101,13 @@ class ShardedQueue:
 
     # -- consume -------------------------------------------------------------------------
 
-    def claim_plan(self, count: int) -> list[tuple[FencedQueue, int]]:
+    def claim_plan(self, count: int, first: int | None = None) -> list[tuple[FencedQueue, int]]:
         """How many each shard is asked for in one claim: ``count`` split evenly, starting one shard
         further each time, so that a consumer with a small prefetch still takes from every shard in turn.
-        Shards asked for 0 are left out."""
+        Shards asked for 0 are left out. ``first``: the shard whose wake-up marker woke the consumer
+        starts (its marker was taken: the claim that takes from it sets it again if more wait there)."""
         n = len(self.shards)
-        start = next(self._rotation) % n
+        start = first % n if first is not None else next(self._rotation) % n
         plan = []
         for offset in range(n):
             share = count // n + (1 if offset < count % n else 0)

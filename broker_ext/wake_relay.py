@@ -7,7 +7,7 @@ polls one connection per channel: the consumer blocks on its home marker
 a relay thread per other slot of its sharded queues blocks on that slot's
 markers, on the node that owns it. When a publish sets one, the relay takes
 it and sets the home marker, which wakes an idle consumer there at once; the
-woken consumer claims from every shard. No shard waits for a poll interval,
+woken consumer claims from every shard, that one first. No shard waits for a poll interval,
 and an idle consumer costs one BZPOPMIN per ``RELAY_TIMEOUT`` per relay.
 """
 
@@ -22,8 +22,9 @@ import redis
 
 logger = logging.getLogger(__name__)
 
-#: The member of a wake-up marker (``lua/include/wake.lua``).
-WAKE_MEMBER = "ready"
+#: What a relayed wake-up's member starts with; the rest names the shard's marker the relay took, so
+#: that the woken consumer claims from that shard first (and sets its marker again if more wait).
+RELAYED = "relayed:"
 #: Seconds a relay's BZPOPMIN blocks before it is sent again (it also notices a stop then).
 RELAY_TIMEOUT = 5
 
@@ -76,7 +77,8 @@ class WakeRelay:
                 woken = client.bzpopmin(keys, self.timeout)
                 home = self.home_key()
                 if woken and home is not None and not stopped.is_set():
-                    self.cluster.zadd(home, {WAKE_MEMBER: 0})
+                    taken = woken[0].decode() if isinstance(woken[0], bytes) else woken[0]
+                    self.cluster.zadd(home, {RELAYED + taken: 0})
             except Exception as exc:  # MOVED after a resharding, a failover, a lost node
                 logger.info("wake relay on %s: %r; reconnecting", keys[0], exc)
                 if client is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from lab.bench import cluster_level
+from lab.bench import cluster_level, cost_level
 from lab.bench.core import BULLMQ, DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
 
 LEVEL_TITLES = {
@@ -33,6 +33,7 @@ LEVEL_TITLES = {
         "Redis Cluster (3 masters, one logical queue; Redis CPU of each master's main thread,"
         " less its idle CPU, per task)"
     ),
+    "cost": cost_level.TITLE,
     "redis": (
         "Redis load (ops counted by INFO commandstats, script-internal commands included;"
         " CPU per message from INFO cpu, main thread)"
@@ -250,6 +251,7 @@ TARGETS = (
         _across(("bullmq.per_core.batched", FENCED), ("bullmq.per_core.batched", BULLMQ)),
     ),
     *_cluster_targets(),
+    *(Target(**target) for target in cost_level.TARGETS),
 )
 
 

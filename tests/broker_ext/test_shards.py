@@ -29,7 +29,7 @@ from broker_ext.scripts import SCRIPT_NAMES, source
 from broker_ext.shards import shard_index
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
-from tests.helpers import runs
+from tests.helpers import reset_connections, runs
 
 CLUSTER = {"cluster": True, "lease_timeout": 2}
 #: A stored Kombu envelope a consumer can take.
@@ -233,7 +233,6 @@ def test_queue_status_and_metrics_show_the_logical_queue_and_queue_status_each_s
 
     from queueapp.metrics import broker_snapshot
     from settings.celery import app
-    from tests.helpers import reset_connections
 
     reset_connections(app)
     app.conf.broker_url = f"fenced://127.0.0.1:{redis_server.port}/{redis_db}"
@@ -283,19 +282,40 @@ def test_an_unsharded_queue_holding_messages_becomes_shard_0_of_its_new_layout(c
     assert {f"old-{n}" for n in range(4)} <= claimed and len(claimed) == 7
 
 
-def test_a_celery_worker_consuming_the_queue_runs_the_tasks_of_every_shard(
-    celery_app, start_worker, record, fenced_url, redis_server
+def test_a_celery_worker_consuming_the_queue_runs_the_tasks_of_every_shard_and_wakes_for_each(
+    where, request, celery_app, start_worker, record
 ):
+    """``-Q tests`` with the queue over 3 shards; idle, with a 30 s poll, it wakes for a task on any shard."""
     from tests.broker_ext.worker_app import record_run
 
-    options = {"queue_shards": {"tests": 3}}
+    url = request.getfixturevalue("fenced_url" if where == "single" else "cluster_url")
+    options = {"queue_shards": {"tests": 3}, **({"cluster": True} if where == "cluster" else {})}
+    reset_connections(celery_app)
+    celery_app.conf.broker_url = url
     celery_app.conf.broker_transport_options = options
-    worker = start_worker(transport_options=options, prefetch=1)
+    worker = start_worker(broker_url=url, transport_options={**options, "polling_interval": 30}, prefetch=1)
     for n in range(30):
         record_run.delay(n)
-    assert wait_for(lambda: record.llen("finished") >= 30, timeout=60), worker.output()[-3000:]
-    assert sorted(run["n"] for run in runs(record)) == list(range(30))
-    with Connection(fenced_url, transport_options=options) as conn:
+
+    def shard_stats():
+        with Connection(url, transport_options=options) as conn:
+            return [s.as_dict() for s in conn.default_channel.fenced_queue("tests").shard_stats()]
+
+    assert wait_for(lambda: record.llen("finished") >= 30, timeout=60), (
+        record.llen("finished"),
+        shard_stats(),
+    )
+    time.sleep(1)  # idle now: blocked on its markers (and, on the cluster, its relays on theirs)
+    for n in (100, 101, 102):  # a task on shard 0, then 1, then 2 (its message id is "<task id>.0")
+        task_id = next(f"{n}-{i}" for i in range(1000) if shard_index(f"{n}-{i}.0", 3) == n - 100)
+        started = time.monotonic()
+        record_run.apply_async((n,), task_id=task_id)
+        assert wait_for(lambda n=n: n in [run["n"] for run in runs(record)], timeout=10), worker.output()[
+            -3000:
+        ]
+        assert time.monotonic() - started < 5
+    assert sorted(run["n"] for run in runs(record)) == [*range(30), 100, 101, 102]
+    with Connection(url, transport_options=options) as conn:
         queue = conn.default_channel.fenced_queue("tests")
         published = [shard.stats().counters.get("published", 0) for shard in queue.shards]
         assert len(published) == 3 and all(published), published
