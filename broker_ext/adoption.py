@@ -447,7 +447,8 @@ class Mover:
     def _store(self, move: QueueMove, queue: str, entries: list[tuple[str, AdoptedMessage]], *, from_unacked):
         """``adopt`` journal entries into ``queue``, then delete their journal fields."""
         # Into shard 0 of a sharded queue: one ledger of stock publish ids, and consumers claim there.
-        replies = self.fenced.fenced_queue(queue).shards[0].adopt([m for _, m in entries], self.ledger_ttl_ms)
+        target = self.fenced.fenced_queue(queue).shards[0]
+        replies = target.adopt([m for _, m in entries], self.ledger_ttl_ms)
         for (_, adopted), reply in zip(entries, replies, strict=True):
             self._count(move, adopted, reply, from_unacked)
         self.stock.client.hdel(self.stock.journal, *[name for name, _ in entries])
@@ -516,15 +517,12 @@ class Mover:
             ((queue, adopted),) = candidate.targets
             by_queue.setdefault(queue, []).append((candidate, replace(adopted, source=candidate.source)))
         for queue, entries in by_queue.items():
-            replies = (
-                self.fenced.fenced_queue(queue)
-                .shards[0]
-                .adopt_local(
-                    source,
-                    [adopted for _, adopted in entries],
-                    max_age_ms=self.max_age_ms,
-                    ledger_ttl_ms=self.ledger_ttl_ms,
-                )
+            target = self.fenced.fenced_queue(queue).shards[0]  # shard 0 of a sharded queue, as _store
+            replies = target.adopt_local(
+                source,
+                [adopted for _, adopted in entries],
+                max_age_ms=self.max_age_ms,
+                ledger_ttl_ms=self.ledger_ttl_ms,
             )
             for (candidate, adopted), reply in zip(entries, replies, strict=True):
                 self._count(report.of(queue), adopted, reply, candidate.from_unacked)

@@ -104,9 +104,20 @@ class Consuming:
         return 1 if estimate is None else min(estimate, self.settings.claim_batch)
 
     def claim(
-        self, queue: str, count: int, *, no_ack: bool | None = None, first: int | None = None
+        self,
+        queue: str,
+        count: int,
+        *,
+        no_ack: bool | None = None,
+        first: int | None = None,
+        follow_up: bool = True,
     ) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
+
+        ``follow_up``: when the shards a sharded queue's claim plan asked had
+        too little, ask the others one by one (an idle consumer's claim after
+        its poll timed out does not: the markers say where messages wait, and
+        the next such claim asks the next shard).
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
@@ -118,7 +129,7 @@ class Consuming:
             raise
         payloads = self._claimed_payloads(pending, results)
         claimed = self._claimed_count
-        for shard in pending.unasked:  # The shards asked had too little: ask the others, one by one.
+        for shard in pending.unasked if follow_up else ():  # The shards asked had too little: ask the others.
             if claimed >= count:
                 break
             pending = PendingClaim(
@@ -234,17 +245,21 @@ class Consuming:
             delivered += 1
         return delivered
 
-    def claim_and_deliver(self, queues: list[str], first: int | None = None) -> int:
+    def claim_and_deliver(
+        self, queues: list[str], first: int | None = None, *, follow_up: bool = True
+    ) -> int:
         """Claim from ``queues`` in order while there is credit; returns how many were delivered.
 
-        ``first``: the shard of the first queue whose wake-up marker woke the consumer, asked first.
+        ``first``: the shard of the first queue whose wake-up marker woke the consumer, asked first;
+        ``follow_up``: as for :meth:`claim`.
         """
         delivered = 0
         for queue in queues:
             credit = self._credit()
             if credit <= 0:
                 break
-            delivered += self._deliver_claimed(queue, self.claim(queue, credit, first=first))
+            payloads = self.claim(queue, credit, first=first, follow_up=follow_up)
+            delivered += self._deliver_claimed(queue, payloads)
             first = None
         return delivered
 
@@ -361,7 +376,7 @@ class Consuming:
                 self._queue_cycle.rotate(woken)
                 if woken in queues and self.claim_and_deliver([woken], first=shard):
                     return True
-            if self.claim_and_deliver(queues):
+            if self.claim_and_deliver(queues, follow_up=bool(reply)):
                 return True
             raise Empty()
         finally:

@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+from redis.crc import key_slot
 
 from broker_ext import nodes
 from broker_ext.errors import ConfigurationError, Reply
@@ -26,7 +27,7 @@ from broker_ext.options import check
 from broker_ext.qos import by_shard
 from broker_ext.records import OutgoingMessage, Place
 from broker_ext.scripts import SCRIPT_NAMES, source
-from broker_ext.shards import shard_index
+from broker_ext.shards import plan, shard_index
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
 from tests.helpers import reset_connections, runs
@@ -167,11 +168,17 @@ def _round_trips(ports: list[int]):
         yield [stack.enter_context(RoundTrips(port).counting()) for port in ports]
 
 
-def test_an_idle_consumer_wakes_for_a_publish_on_any_shard_without_waiting_a_poll(connect):
-    """The consumer's poll interval is 30 s: a delivery within 5 s was woken, not polled."""
-    conn = connect(queue_shards=3, polling_interval=30)
+@pytest.mark.parametrize("prefix", ["", "app1:"])
+def test_an_idle_consumer_wakes_for_a_publish_on_any_shard_without_waiting_a_poll(connect, where, prefix):
+    """The consumer's poll interval is 30 s: a delivery within 5 s was woken, not polled (with a
+    ``global_keyprefix`` too, which Kombu's client strips from the BZPOPMIN reply)."""
+    if where == "cluster" and prefix:
+        pytest.skip(
+            "a declare with global_keyprefix on a cluster fails in Kombu's queue_bind, sharded or not"
+        )
+    conn = connect(queue_shards=3, polling_interval=30, global_keyprefix=prefix)
     queue = Queue("hot", Exchange("hot"), routing_key="hot")
-    producer_conn = connect(queue_shards=3)
+    producer_conn = connect(queue_shards=3, global_keyprefix=prefix)
     producer = Producer(producer_conn.channel())
     producer.publish({"n": -1}, exchange=queue.exchange, routing_key="hot", declare=[queue])
     got: list[int] = []
@@ -366,3 +373,20 @@ def test_after_resharding_the_stored_tags_stay_and_calls_grouped_per_node_follow
         assert tags == [shard.keys.wake for shard in queue.shards]
     finally:
         conn.release()
+
+
+def test_the_plan_puts_each_shard_on_the_next_master_and_any_tags_do_on_a_single_redis():
+    """The tag choice alone, on a slot map of 5 masters (each owning a fifth of the slots)."""
+    masters = [f"10.0.0.{i}:6379" for i in range(5)]
+
+    def owner(slot: int) -> str:
+        return masters[slot * 5 // 16384]
+
+    layout = plan("orders", 5, masters, owner)
+    owners = [owner(key_slot(f"{{{tag}}}".encode())) for tag in layout.tags]
+    start = masters.index(owners[0])
+    assert owners == [masters[(start + i) % 5] for i in range(5)]
+    assert layout.tags[0] == "orders"
+    single = plan("orders", 4, None, None)
+    assert len(set(single.tags)) == 4 and single.tags[0] == "orders"
+    assert plan("orders", 1, masters, owner).tags == ("orders",)
