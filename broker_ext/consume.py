@@ -49,8 +49,8 @@ Empty = kombu_redis.Empty
 
 @dataclass(frozen=True)
 class PendingClaim:
-    """A claim on its way (one call per shard asked), the first carrying the buffered acks of its
-    shard; other shards' and queues' acks go ahead of it in the same round trips (one per node)."""
+    """A claim on its way (one call per shard asked), each carrying the buffered acks of its shard;
+    other queues' acks go ahead of it in the same round trips (one per node)."""
 
     queue: str
     count: int
@@ -58,6 +58,8 @@ class PendingClaim:
     claims: list[ScriptCall]
     #: The shards of the queue this claim did not ask (a sharded queue and a small count).
     unasked: list[FencedQueue]
+    #: The shard each of :attr:`claims` asks, in order.
+    asked: list[int]
 
     @property
     def calls(self) -> list[ScriptCall]:
@@ -132,9 +134,8 @@ class Consuming:
         for shard in pending.unasked if follow_up else ():  # The shards asked had too little: ask the others.
             if claimed >= count:
                 break
-            pending = PendingClaim(
-                queue, count - claimed, PendingAcks({}, []), [self._shard_claim(shard, count - claimed)], []
-            )
+            claim = self._shard_claim(shard, count - claimed)
+            pending = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
             payloads += self._claimed_payloads(pending, self.run_calls(pending.calls))
             claimed += self._claimed_count
         return payloads
@@ -142,8 +143,8 @@ class Consuming:
     def _claim_calls(
         self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool, first: int | None = None
     ) -> PendingClaim:
-        """The buffered acks (taken from the QoS) and a claim per shard asked, the first one carrying its
-        shard's acks: one round trip per node.
+        """The buffered acks (taken from the QoS) and a claim per shard asked, each carrying its shard's
+        acks: one round trip per node.
 
         A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
         and promotes only every ``upkeep_interval``; any other claim does.
@@ -156,20 +157,20 @@ class Consuming:
             self._upkeep_due[queue] = now + self.settings.upkeep_interval
         fenced = self.fenced_queue(queue)
         plan = fenced.claim_plan(count, first)
-        acks = self.qos.pending_acks(carried_by=(queue, plan[0][0].shard) if plan else None)
+        asked = [shard.shard for shard, _ in plan]
+        acks = self.qos.pending_acks(carried_by=[(queue, shard) for shard in asked])
         claims = [
             shard.acking_claim_call(
-                acks.carried_deliveries if i == 0 else (),
+                acks.carried_by((queue, shard.shard)),
                 share,
                 no_ack=no_ack,
                 wake_next=wake_next,
                 upkeep=upkeep,
             )
-            for i, (shard, share) in enumerate(plan)
+            for shard, share in plan
         ]
-        asked = {shard.shard for shard, _ in plan}
         unasked = [shard for shard in fenced.shards if shard.shard not in asked]
-        return PendingClaim(queue, count, acks, claims, unasked)
+        return PendingClaim(queue, count, acks, claims, unasked, asked)
 
     def _shard_claim(self, shard: FencedQueue, count: int) -> ScriptCall:
         no_ack = shard.name in self._no_ack_queues
@@ -183,11 +184,7 @@ class Consuming:
         """
         sent_apart = len(pending.acks.calls)
         replies = results[sent_apart:]
-        first = replies[0] if replies else None
-        # The first claim carried its shard's acks: a failed one did not do them either.
-        self.qos.settle_acks(
-            pending.acks, results[:sent_apart], first.acked if isinstance(first, ClaimReply) else first
-        )
+        self.qos.settle_acks(pending.acks, results[:sent_apart], _carried_replies(pending, replies))
         claimed: list[Claimed] = []
         failures = [reply for reply in replies if not isinstance(reply, ClaimReply)]
         for reply in replies:
@@ -323,9 +320,7 @@ class Consuming:
         sent_apart = len(pending.acks.calls)
         claims = results[sent_apart:]
         if any(result is NOT_RUN for result in claims):
-            first = claims[0]
-            carried = first.acked if isinstance(first, ClaimReply) else first
-            self.qos.settle_acks(pending.acks, results[:sent_apart], carried)
+            self.qos.settle_acks(pending.acks, results[:sent_apart], _carried_replies(pending, claims))
             # _more_ready is unchanged: the next poll claims again (what the others claimed is given back).
             taken = [
                 claimed for reply in claims if isinstance(reply, ClaimReply) for claimed in reply.claimed
@@ -395,3 +390,12 @@ class Consuming:
         delivery = delivery_of(message.properties)
         if delivery is not None:  # a fanout message has no lease to give back
             self.qos.give_back([delivery], counted=False)
+
+
+def _carried_replies(pending: PendingClaim, replies: list) -> dict:
+    """By queue shard, the replies to the acks each claim carried: a claim that failed (or did not
+    run) did not do them either, and answers for them with its error (or ``NOT_RUN``)."""
+    return {
+        (pending.queue, shard): reply.acked if isinstance(reply, ClaimReply) else reply
+        for shard, reply in zip(pending.asked, replies, strict=True)
+    }

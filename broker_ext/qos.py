@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kombu.transport import virtual
 
@@ -51,27 +52,27 @@ def by_shard(deliveries: Iterable[Delivery]) -> dict[ShardKey, list[Delivery]]:
 
 @dataclass(frozen=True)
 class PendingAcks:
-    """Buffered acks taken out of the buffer, on their way to Redis: the acks of ``carried`` travel
-    inside that queue shard's claim (one script call for both), every other shard's in an ack call of
-    its own.
+    """Buffered acks taken out of the buffer, on their way to Redis: the acks of each queue shard in
+    ``carried`` travel inside that shard's claim (one script call for both), every other shard's in an
+    ack call of its own.
     """
 
     groups: dict[ShardKey, list[Delivery]]
     calls: list[ScriptCall]
-    carried: ShardKey | None = None
+    carried: tuple[ShardKey, ...] = ()
 
     @property
     def deliveries(self) -> list[Delivery]:
         return [delivery for group in self.groups.values() for delivery in group]
 
-    @property
-    def carried_deliveries(self) -> list[Delivery]:
-        return self.groups[self.carried] if self.carried is not None else []
+    def carried_by(self, key: ShardKey) -> list[Delivery]:
+        """The acks the claim of queue shard ``key`` carries."""
+        return self.groups[key] if key in self.carried else []
 
     @property
     def sent_apart(self) -> dict[ShardKey, list[Delivery]]:
         """The groups that have an ack call of their own (in the order of :attr:`calls`)."""
-        return {queue: group for queue, group in self.groups.items() if queue != self.carried}
+        return {key: group for key, group in self.groups.items() if key not in self.carried}
 
 
 class FencedQoS(virtual.QoS):
@@ -180,28 +181,32 @@ class FencedQoS(virtual.QoS):
         with self._lock:
             return len(self._unsent_acks)
 
-    def pending_acks(self, carried_by: ShardKey | None = None) -> PendingAcks:
+    def pending_acks(self, carried_by: Iterable[ShardKey] = ()) -> PendingAcks:
         """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`).
 
-        ``carried_by``: the queue shard a claim is about to be sent to; its acks
-        go inside that claim's script call, not in a call of their own.
+        ``carried_by``: the queue shards a claim is about to be sent to; their
+        acks go inside those claims' script calls, not in calls of their own.
         """
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
         groups = by_shard(acks)
-        carried = carried_by if carried_by in groups else None
+        carried = tuple(key for key in carried_by if key in groups)
         calls = [
-            self.channel.shard_queue(*key).ack_call(group) for key, group in groups.items() if key != carried
+            self.channel.shard_queue(*key).ack_call(group)
+            for key, group in groups.items()
+            if key not in carried
         ]
         return PendingAcks(groups, calls, carried)
 
-    def settle_acks(self, pending: PendingAcks, replies: list, carried_reply=None) -> None:
-        """Read the replies of sent acks (``carried_reply``: the acks a claim carried): log refusals,
-        and buffer again what did not run."""
+    def settle_acks(
+        self, pending: PendingAcks, replies: list, carried_replies: Mapping[ShardKey, Any] | None = None
+    ) -> None:
+        """Read the replies of sent acks (``carried_replies``: by queue shard, the replies to the acks
+        the claims carried, or what the claim raised): log refusals, and buffer again what did not run."""
         for ((queue, _), group), reply in zip(pending.sent_apart.items(), replies, strict=True):
             self._settle(queue, group, reply)
-        if pending.carried is not None:
-            self._settle(pending.carried[0], pending.carried_deliveries, carried_reply)
+        for key in pending.carried:
+            self._settle(key[0], pending.groups[key], (carried_replies or {}).get(key, NOT_RUN))
 
     def _settle(self, queue: str, group: list[Delivery], reply) -> None:
         if reply is NOT_RUN:

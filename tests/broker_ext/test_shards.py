@@ -122,7 +122,7 @@ def test_publish_picks_the_shard_by_dedup_key_else_message_id_and_a_resend_meets
     assert queue.stats().ready == 7
 
 
-def test_a_claim_takes_from_every_shard_fairly_in_one_round_trip_per_node_and_acks_and_extends_likewise(
+def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_their_acks_extends_too(
     connect, where, request
 ):
     channel = connect(queue_shards=3).channel()
@@ -147,9 +147,11 @@ def test_a_claim_takes_from_every_shard_fairly_in_one_round_trip_per_node_and_ac
 
     for delivery in deliveries:
         channel.qos.buffer_acks([delivery])
+    scripts_before = _script_calls(ports)
     with _round_trips(ports) as trips:
-        payloads = channel.claim("hot", 3)  # the buffered acks travel with the claim
+        payloads = channel.claim("hot", 3)  # each shard's buffered acks travel inside its claim
     assert len(payloads) == 3 and sorted(t.count for t in trips) == ([1] if where == "single" else [1, 1, 1])
+    assert _script_calls(ports) - scripts_before == 3  # three claims, no ack call of their own
     assert queue.stats().counters.get("acked") == 9
     # One message at a time (prefetch 1), the claims still go round the shards.
     shards = [channel.fenced_queue("hot").claim(1)[0].delivery.shard for _ in range(6)]
@@ -160,6 +162,12 @@ def _ports(request, where) -> list[int]:
     if where == "single":
         return [request.getfixturevalue("redis_server").port]
     return [node.port for node in request.getfixturevalue("redis_cluster").live_nodes()]
+
+
+def _script_calls(ports: list[int]) -> int:
+    """EVALSHA calls the servers on ``ports`` have run (``INFO commandstats``)."""
+    stats = [redis.Redis(port=port).info("commandstats").get("cmdstat_evalsha", {}) for port in ports]
+    return sum(int(entry.get("calls", 0)) for entry in stats)
 
 
 @contextlib.contextmanager
