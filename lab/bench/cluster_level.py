@@ -145,17 +145,21 @@ class ClusterBench:
 
     @classmethod
     def start(cls, run: BenchRun) -> ClusterBench:
+        """Start the cluster, name its masters, measure their idle CPU; stopped again if any of it fails."""
         cluster = RedisCluster(masters=MASTERS)
+        bench = cls(cluster)
         try:
             cluster.start()
-        finally:
             run.started_pids.extend(node.pid for node in cluster.nodes if node.pid)
-        bench = cls(cluster)
-        slots = cluster.nodes[0].client().execute_command("CLUSTER SLOTS")
-        for name, (first, last, master, *_) in zip("ABCDEFGH", sorted(slots), strict=False):
-            bench.masters[name] = redis.Redis(host="127.0.0.1", port=int(master[1]))
-            bench.ranges[name] = (int(first), int(last))
-        bench.calibrate()
+            with contextlib.closing(cluster.nodes[0].client()) as client:
+                slots = client.execute_command("CLUSTER SLOTS")
+            for name, (first, last, master, *_) in zip("ABCDEFGH", sorted(slots), strict=False):
+                bench.masters[name] = redis.Redis(host="127.0.0.1", port=int(master[1]))
+                bench.ranges[name] = (int(first), int(last))
+            bench.calibrate()
+        except BaseException:
+            bench.stop()
+            raise
         return bench
 
     def calibrate(self, seconds: float = 1.0) -> None:
