@@ -93,6 +93,9 @@ COST_LIMIT = 1.15
 DRAIN_TIMEOUT = 10.0
 #: The fewest full claims a consume window spans.
 MIN_CLAIMS = 10
+#: The fewest messages a figure measures (``--messages 20`` would leave a figure in the noise of the
+#: cluster bus: a gossip tick on an idle master costs as much as a few messages).
+MIN_MESSAGES = 200
 #: The workloads: key, label, and the share of ``Sizes.messages`` each measures (a default run: 500
 #: and 2,500 messages, enough for a CPU figure, as Redis CPU is counted rather than timed; 60 runs
 #: in all, a minute or two on 2 cores).
@@ -471,7 +474,8 @@ def run_level(run: BenchRun) -> None:
                     if (mode, setting) in failed:
                         continue
                     try:
-                        results[mode][setting].append(measures[mode](setting, run.sizes.scaled(scale)))
+                        messages = max(run.sizes.scaled(scale), MIN_MESSAGES)
+                        results[mode][setting].append(measures[mode](setting, messages))
                     except Exception as exc:
                         failed.add((mode, setting))
                         run.errors.append(
