@@ -162,8 +162,8 @@ class Records:
 
         Asked before the key is checked or claimed: a header the producer
         chose (a ``retries`` beyond the column's integers, an ``id`` with a
-        NUL on PostgreSQL) would make every write of the delivery, its
-        verdict's too, fail the same way at every delivery.
+        NUL) would make every write of the delivery, its verdict's too, fail
+        the same way at every delivery.
         """
         for name, value, column in (
             ("idempotency key", key, _KEY_COLUMN),
