@@ -1,7 +1,7 @@
 """What a benchmark figure is, the run every level measures in, and how a rate is timed honestly.
 
 A :class:`Measurement` holds one figure for each system measured (the stock
-``redis://`` transport, ``fenced://``, Dramatiq), the repeats behind each
+``redis://`` transport, ``fenced://``, Dramatiq, BullMQ), the repeats behind each
 median, and per system the Redis load it generated (commands, and the
 Redis CPU they cost less what the harness and an idle server cost). A
 :class:`BenchRun` owns the one private Redis server of a run and hands every
@@ -23,7 +23,7 @@ from broker_ext.keys import QueueKeys
 from lab.bench import profiling
 from lab.redis_servers import RedisServer
 
-STOCK, FENCED, DRAMATIQ = "stock", "fenced", "dramatiq"
+STOCK, FENCED, DRAMATIQ, BULLMQ = "stock", "fenced", "dramatiq", "bullmq"
 SCHEMES = {STOCK: "redis", FENCED: "fenced"}
 #: Kombu's separator between a stock queue's name and its priority step.
 STOCK_PRIORITY_SEPARATOR = "\x06\x16"

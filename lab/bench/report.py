@@ -17,13 +17,19 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from lab.bench.core import DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
+from lab.bench import cost_level
+from lab.bench.core import BULLMQ, DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
 
 LEVEL_TITLES = {
     "kombu": "Kombu level (one Python process)",
     "celery": "Celery level (real worker processes, lab.noop)",
     "exactly_once": "Exactly-once level (lab.noop_exactly_once against the hand-written lab.noop_idempotent)",
     "scaling": "Scaling (depth, reclaim, memory)",
+    "bullmq": (
+        "BullMQ level (Node.js harness on the same Redis; Redis CPU from INFO cpu, main thread;"
+        " commands from INFO commandstats, script-internal commands included)"
+    ),
+    "cost": cost_level.TITLE,
     "redis": (
         "Redis load (ops counted by INFO commandstats, script-internal commands included;"
         " CPU per message from INFO cpu, main thread)"
@@ -184,6 +190,26 @@ TARGETS = (
         at_most=True,
     ),
     *_exactly_once_targets(),
+    Target(
+        "one-by-one publish Redis CPU, against BullMQ",
+        "fenced µs per message / BullMQ's Queue.add <= 1",
+        1.0,
+        _across(("bullmq.cpu.publish", FENCED), ("bullmq.cpu.publish", BULLMQ)),
+        at_most=True,
+    ),
+    Target(
+        "tasks per Redis core, one in flight, against BullMQ",
+        "fenced (publish + prefetch 1) / BullMQ (add + concurrency 1) >= 1",
+        1.0,
+        _across(("bullmq.per_core.one_in_flight", FENCED), ("bullmq.per_core.one_in_flight", BULLMQ)),
+    ),
+    Target(
+        "batched tasks per Redis core, against BullMQ",
+        "fenced (batch + prefetch 100) / BullMQ (addBulk + concurrency 100) >= 1.5",
+        1.5,
+        _across(("bullmq.per_core.batched", FENCED), ("bullmq.per_core.batched", BULLMQ)),
+    ),
+    *(Target(**target) for target in cost_level.TARGETS),
 )
 
 
@@ -222,16 +248,24 @@ def number(value: float | None, unit: str) -> str:
     return f"{value:,.0f}"
 
 
+#: Systems beside stock and fenced, each a column only where it was measured.
+PEERS = {DRAMATIQ: "Dramatiq", BULLMQ: "BullMQ"}
+
+
 def level_rows(figures: list[Measurement]) -> tuple[list[str], list[list[str]]]:
-    """The header and rows of one level's table (a Dramatiq column only where Dramatiq was measured)."""
-    dramatiq = any(DRAMATIQ in figure.values for figure in figures)
+    """The header and rows of one level's table (a peer's column only where that peer was measured).
+
+    Where BullMQ was measured, a last column gives fenced / BullMQ too.
+    """
+    peers = [peer for peer in PEERS if any(peer in figure.values for figure in figures)]
     header = [
         "figure",
         "unit",
         "stock redis://",
         "fenced://",
-        *(["Dramatiq"] if dramatiq else []),
+        *(PEERS[peer] for peer in peers),
         "fenced / stock",
+        *(["fenced / BullMQ"] if BULLMQ in peers else []),
     ]
     rows = []
     for figure in figures:
@@ -242,9 +276,11 @@ def level_rows(figures: list[Measurement]) -> tuple[list[str], list[list[str]]]:
             number(figure.values.get(STOCK), figure.unit),
             number(figure.values.get(FENCED), figure.unit),
         ]
-        if dramatiq:
-            row.append(number(figure.values.get(DRAMATIQ), figure.unit))
+        row += [number(figure.values.get(peer), figure.unit) for peer in peers]
         row.append(f"{ratio:.2f}x" if ratio is not None else "-")
+        if BULLMQ in peers:
+            fenced, bullmq = figure.values.get(FENCED), figure.values.get(BULLMQ)
+            row.append(f"{fenced / bullmq:.2f}x" if fenced is not None and bullmq else "-")
         rows.append(row)
     return header, rows
 

@@ -55,6 +55,14 @@ EXPECTED = {
     "redis.ceiling.claim": BOTH,
     "redis.ceiling.ack": {"fenced"},
     "redis.aggregate": BOTH,
+    "cost.publish.commands": BOTH,
+    "cost.publish.round_trips": BOTH,
+    "cost.consume_p1.commands": BOTH,
+    "cost.consume_p1.round_trips": BOTH,
+    "cost.idle.cpu": BOTH,
+    "cost.idle.wake_ms": BOTH,
+    "cost.per_core.one_by_one": BOTH,
+    "cost.per_core.batched": BOTH,
 }
 
 
@@ -181,6 +189,18 @@ def test_each_metered_run_has_a_redis_cpu_row_per_transport_it_was_measured_on(b
             assert math.isfinite(row["values"][system]) and row["values"][system] > 0, (key, system)
             details = figures[key]["details"][system]
             assert details["redis_cpu_us_measured"] >= details["redis_cpu_us_subtracted"] >= 0, (key, system)
+
+
+def test_bullmq_is_measured_beside_both_transports_or_skipped_with_its_reason(bench_report):
+    """The level needs Node.js and npm ci: without them the run says why, and measures nothing of it."""
+    figures = {figure["key"]: figure for figure in bench_report["measurements"]}
+    skipped = [skip for skip in bench_report["skipped"] if skip["level"] == "bullmq"]
+    if skipped:
+        assert skipped[0]["why"]
+        assert not any(key.startswith("bullmq.") for key in figures)
+        return
+    for key in ("bullmq.publish", "bullmq.batch_publish", "bullmq.consume.c1", "bullmq.consume.c100"):
+        assert figures[key]["values"].keys() == BOTH | {"bullmq"}, key
 
 
 def test_the_run_leaves_no_process_behind(bench_report):
