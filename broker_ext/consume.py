@@ -131,12 +131,14 @@ class Consuming:
         if isinstance(reply, ClaimReply):
             self.qos.settle_acks(pending.acks, ack_replies, reply.acked)
             claimed = reply.claimed
-        else:
-            self.qos.settle_acks(pending.acks, ack_replies, reply)  # the carried acks were not done either
-            if not isinstance(reply, ScriptRefused):
-                raise reply
+        elif isinstance(reply, ScriptRefused):
+            self.qos.settle_acks(pending.acks, ack_replies, reply)  # refused as a whole: its acks too
             logger.error("claim on %r refused; the queue's keys need an operator: %s", pending.queue, reply)
             claimed = []
+        else:
+            # Redis unavailable, or an error: its acks are sent again later (a resent ack is ALREADY_ACKED).
+            self.qos.settle_acks(pending.acks, ack_replies, NOT_RUN)
+            raise reply
         # A full claim means more may be waiting: the next poll claims directly instead of blocking.
         self._more_ready = pending.queue if len(claimed) >= pending.count else None
         return [payload for payload in map(self._payload_of, claimed) if payload is not None]
