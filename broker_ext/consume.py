@@ -393,9 +393,15 @@ class Consuming:
 
 
 def _carried_replies(pending: PendingClaim, replies: list) -> dict:
-    """By queue shard, the replies to the acks each claim carried: a claim that failed (or did not
-    run) did not do them either, and answers for them with its error (or ``NOT_RUN``)."""
+    """By queue shard, the replies to the acks each claim carried. A refused claim refused its acks
+    too; a claim that failed otherwise (Redis unavailable) or did not run did not do them, and they
+    are sent again later (``NOT_RUN``: a resent ack is ALREADY_ACKED)."""
+
+    def carried(reply):
+        if isinstance(reply, ClaimReply):
+            return reply.acked
+        return reply if isinstance(reply, ScriptRefused) else NOT_RUN
+
     return {
-        (pending.queue, shard): reply.acked if isinstance(reply, ClaimReply) else reply
-        for shard, reply in zip(pending.asked, replies, strict=True)
+        (pending.queue, shard): carried(reply) for shard, reply in zip(pending.asked, replies, strict=True)
     }

@@ -83,8 +83,8 @@ TARGETS: tuple[dict, ...] = (
     },
     {
         "name": "tasks per Redis core, batch + prefetch 100",
-        "requirement": "fenced >= 3x stock",
-        "threshold": 3.0,
+        "requirement": "fenced >= 1.5x stock (the bar BullMQ's level sets against BullMQ)",
+        "threshold": 1.5,
         "value": _ratio("cost.per_core.batched"),
     },
 )

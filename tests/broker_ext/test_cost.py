@@ -86,6 +86,7 @@ def test_a_celery_worker_at_prefetch_multiplier_1_pays_one_round_trip_and_at_mos
     app = worker_app.app
     reset_connections(app)
     app.conf.broker_url = broker
+    app.conf.broker_transport_options = {}  # not an earlier test's (a cluster's)
     try:
         with app.producer_or_acquire() as producer:
             for n in range(warmup + messages + tail):

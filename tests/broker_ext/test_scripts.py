@@ -545,6 +545,21 @@ def test_a_refused_ack_of_an_id_acked_before_within_the_window_puts_its_earlier_
     assert queue.ack_and_claim([second.delivery], 1).acked == [Reply.OK]
 
 
+def test_a_refused_claim_that_had_emptied_ready_puts_it_back_with_its_expiry(redis_client):
+    """A queue declared with x-expires: the claim's ZPOPMIN takes the last ready message (Redis deletes
+    the emptied key); the refusal that follows puts the entry back and the key's expiry with it."""
+    queue = FencedQueue(redis_client, "jobs", options=QueueOptions(ttl_ms=600_000))
+    queue.publish([message("only")])
+    saved = plant(redis_client, queue.keys.counters, "counters")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="WRONGTYPE"):
+        queue.ack_and_claim([], 1)
+    assert snapshot(redis_client) == before
+    assert 0 < redis_client.pttl(queue.keys.ready) <= 600_000
+    unplant(redis_client, queue.keys.counters, saved)
+    assert [c.delivery.message_id for c in queue.ack_and_claim([], 1).claimed] == ["only"]
+
+
 def test_a_claim_never_takes_the_message_its_own_ack_finishes(queue):
     """A slow holder's lease expired and its message went back to ready (at the front): the ack in the
     next claim finishes it, and the claim takes the next message instead, still as many as asked."""
