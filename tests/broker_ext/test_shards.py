@@ -30,6 +30,7 @@ from broker_ext.scripts import SCRIPT_NAMES, source
 from broker_ext.shards import plan, shard_index
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
+from lab.redis_servers import RedisCluster
 from tests.helpers import reset_connections, runs
 
 CLUSTER = {"cluster": True, "lease_timeout": 2}
@@ -398,3 +399,39 @@ def test_the_plan_puts_each_shard_on_the_next_master_and_any_tags_do_on_a_single
     single = plan("orders", 4, None, None)
     assert len(set(single.tags)) == 4 and single.tags[0] == "orders"
     assert plan("orders", 1, masters, owner).tags == ("orders",)
+
+
+def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_leases_extended():
+    """A master holding one shard is unreachable: the calls to the other masters still give their
+    answers (what their claims leased is delivered, not stranded for a lease; their leases are
+    extended), and the unreachable shard's buffered acks stay buffered."""
+    cluster = RedisCluster(masters=3).start()
+    conn = Connection(cluster.fenced_urls(), transport_options={**CLUSTER, "queue_shards": {"hot": 3}})
+    try:
+        channel = conn.channel()
+        queue = channel.fenced_queue("hot")
+        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 3)])
+        held = [item.delivery for item in queue.claim(3)]
+        assert sorted(delivery.shard for delivery in held) == [0, 1, 2]
+        for node in cluster.live_nodes():  # Every script loaded (a SCRIPT LOAD goes to every master).
+            for name in SCRIPT_NAMES:
+                node.client().script_load(source(name))
+        cluster.master_for(queue.shards[1].keys.wake).kill()
+
+        extend = [channel.shard_queue(*key).extend_call(group) for key, group in by_shard(held).items()]
+        replies = dict(zip(by_shard(held), channel.run_calls(extend), strict=True))
+        assert replies[("hot", 0)] == [Reply.OK] and replies[("hot", 2)] == [Reply.OK]
+        assert isinstance(replies[("hot", 1)], redis.exceptions.ConnectionError)
+
+        payloads = channel.claim("hot", 3)
+        shards = sorted(payload["properties"].get("fenced_shard", 0) for payload in payloads)
+        assert shards == [0, 2]  # nothing the live shards leased is left undelivered
+
+        channel.qos.buffer_acks(held)
+        channel.qos.flush_acks()
+        assert queue.shards[0].stats().counters.get("acked") == 1
+        assert queue.shards[2].stats().counters.get("acked") == 1
+        assert [delivery.shard for delivery in channel.qos.pending_acks().deliveries] == [1]
+    finally:
+        conn.release()
+        cluster.cleanup()
