@@ -210,7 +210,7 @@ class FencedQoS(virtual.QoS):
 
     def _settle(self, queue: str, group: list[Delivery], reply) -> None:
         if reply is NOT_RUN or isinstance(reply, self.channel.connection_errors):
-            self.buffer_acks(group)  # Not done (that node unreachable): sent again later, ALREADY_ACKED if done.
+            self.buffer_acks(group)  # Not done (node unreachable): sent again, ALREADY_ACKED if done.
         elif isinstance(reply, Exception):
             # The messages stay leased; they are reclaimed and delivered again after the lease.
             logger.error("acks of %d messages on %r failed: %r", len(group), queue, reply)
