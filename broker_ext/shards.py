@@ -35,6 +35,10 @@ from redis.crc import key_slot
 from broker_ext.errors import ConfigurationError
 from broker_ext.keys import SHARD_MARK, QueueKeys, hash_tag
 
+#: Seconds between two reads of the stored layout by a client that follows it (``queue_shards`` unset
+#: for the queue): a layout stored later by another client is claimed from within this time.
+LAYOUT_RECHECK = 2.0
+
 #: Slot owners: for each slot, the name of the master that owns it (``host:port``).
 SlotOwners = Callable[[int], str]
 
@@ -129,7 +133,7 @@ def load_layout(
     count: int | None,
     *,
     prefix: str = "",
-    holds_messages: Callable[[ShardLayout], bool],
+    holds_messages: Callable[[ShardLayout], bool] = lambda layout: True,
 ) -> ShardLayout:
     """The layout of ``queue``: the stored one, or a new one of ``count`` shards stored now.
 

@@ -435,3 +435,21 @@ def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_le
     finally:
         conn.release()
         cluster.cleanup()
+
+
+def test_a_consumer_left_unset_that_read_before_the_layout_was_stored_comes_to_claim_every_shard(connect):
+    """A worker without ``queue_shards`` started before any client stored the layout: it finds the
+    layout later, so the messages of shards 1..n are not left where it never claims."""
+    consumer = connect().channel()
+    assert len(consumer.fenced_queue("hot").shards) == 1  # nothing stored yet
+    producer = connect(queue_shards={"hot": 3}).channel()
+    published = ids_for_shards(3, 2)
+    producer.fenced_queue("hot").publish([OutgoingMessage(mid, BODY) for mid in published])
+    got: set[str] = set()
+
+    def claimed_all() -> bool:
+        got.update(payload["properties"]["fenced_message_id"] for payload in consumer.claim("hot", 10))
+        return got == set(published)
+
+    assert wait_for(claimed_all, timeout=15), got
+    assert len(consumer.fenced_queue("hot").shards) == 3
