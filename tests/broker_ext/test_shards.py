@@ -28,6 +28,7 @@ from broker_ext.qos import by_shard
 from broker_ext.records import OutgoingMessage, Place
 from broker_ext.scripts import SCRIPT_NAMES, source
 from broker_ext.shards import plan, shard_index
+from broker_ext.wake_relay import WakeRelay
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
 from lab.redis_servers import RedisCluster
@@ -453,3 +454,27 @@ def test_a_consumer_left_unset_that_read_before_the_layout_was_stored_comes_to_c
 
     assert wait_for(claimed_all, timeout=15), got
     assert len(consumer.fenced_queue("hot").shards) == 3
+
+
+def test_a_wake_up_the_relay_takes_as_it_stops_goes_back_to_its_marker(redis_cluster):
+    """A publish sets a shard's marker while the channel closes (its relay stopping): the relay puts
+    the marker back instead of dropping it, so the consumers waiting on it still wake."""
+    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    marker = "fenced:{relay-test%S1.0}:wake"
+    client.delete(marker)
+    relay = WakeRelay(client, lambda: "fenced:{relay-test}:wake", timeout=5)
+    node = redis_cluster.master_for(marker).client()
+
+    def relay_blocked() -> bool:
+        return any(entry["cmd"] == "bzpopmin" and "b" in entry["flags"] for entry in node.client_list())
+
+    try:
+        relay.watch([[marker]])
+        assert wait_for(relay_blocked, timeout=10)
+        relay.stop()
+        client.zadd(marker, {"w": 0})
+        assert wait_for(lambda: not relay_blocked(), timeout=10)
+        assert client.zrange(marker, 0, -1) == [b"w"]
+    finally:
+        relay.stop()
+        client.close()
