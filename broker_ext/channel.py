@@ -27,7 +27,7 @@ from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
 from broker_ext.bindings import BindingCache
 from broker_ext.consume import Consuming, PendingClaim
-from broker_ext.errors import MessageTooLarge, Reply
+from broker_ext.errors import ConfigurationError, MessageTooLarge, Reply
 from broker_ext.messages import (
     DEDUP_KEY_HEADER,
     DEDUP_WINDOW_HEADER,
@@ -166,8 +166,9 @@ class Channel(Consuming, kombu_redis.Channel):
         self._layout_due[name] = time.monotonic() + LAYOUT_RECHECK
         try:
             stored = load_layout(self.fenced_client, name, None, prefix=self.global_keyprefix)
-        except redis.exceptions.RedisError:
-            return False  # Read again at the next check; the layout in use stays.
+        except (redis.exceptions.RedisError, ConfigurationError) as exc:
+            logger.error("reading the shard layout of %r: %s; the layout in use stays", name, exc)
+            return False  # Read again at the next check.
         return stored != self._layouts.get(name)
 
     def shard_queue(self, name: str, shard: int = 0) -> FencedQueue:

@@ -478,3 +478,24 @@ def test_a_wake_up_the_relay_takes_as_it_stops_goes_back_to_its_marker(redis_clu
     finally:
         relay.stop()
         client.close()
+
+
+def test_a_layout_key_that_holds_no_layout_is_refused_with_a_clear_error_and_nothing_is_written(connect):
+    """The layout key overwritten (not JSON, another queue's, or of another type): every client refuses
+    the queue with an error naming the key, instead of using a layout no other client reads."""
+    raw = connect().channel().fenced_client
+    key = "fenced:{hot}:shards"
+    plants = {
+        "not json": lambda: raw.set(key, "garbage"),
+        "another queue's": lambda: raw.set(key, json.dumps({"n": 2, "tags": ["cold", "cold%S1.0"]})),
+        "a hash": lambda: raw.hset(key, "n", 3),
+    }
+    for what, plant in plants.items():
+        raw.delete(key)
+        plant()
+        before = raw.dump(key)
+        for options in ({"queue_shards": {"hot": 3}}, {}):
+            with pytest.raises(ConfigurationError, match="shard layout"):
+                connect(**options).channel().fenced_queue("hot")
+        assert raw.dump(key) == before, what
+    raw.delete(key)
