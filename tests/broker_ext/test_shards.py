@@ -433,6 +433,14 @@ def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_le
         assert queue.shards[0].stats().counters.get("acked") == 1
         assert queue.shards[2].stats().counters.get("acked") == 1
         assert [delivery.shard for delivery in channel.qos.pending_acks().deliveries] == [1]
+
+        # A claim whose shards had too little asks the others: the unreachable one fails alone.
+        channel.claim("hot", 10)  # the live shards drained
+        queue.shards[0].publish([OutgoingMessage("late", BODY)])
+        payloads = channel.claim("hot", 2, first=2)  # asks shards 2 and 0, then 1 (down)
+        assert [payload["properties"]["fenced_message_id"] for payload in payloads] == ["late"]
+        queue.shards[2].publish([OutgoingMessage("later", BODY)])
+        assert [item.delivery.message_id for item in queue.claim(3)] == ["later"]
     finally:
         conn.release()
         cluster.cleanup()
