@@ -12,6 +12,7 @@ blocking on a per-queue wake-up marker instead; ending deliveries is the QoS's
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import cached_property
@@ -26,7 +27,7 @@ from broker_ext import options
 from broker_ext.batch import FencedPublishBatch
 from broker_ext.bindings import BindingCache
 from broker_ext.consume import Consuming, PendingClaim
-from broker_ext.errors import MessageTooLarge, Reply
+from broker_ext.errors import ConfigurationError, MessageTooLarge, Reply
 from broker_ext.messages import (
     DEDUP_KEY_HEADER,
     DEDUP_WINDOW_HEADER,
@@ -40,7 +41,7 @@ from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import ScriptCall, register
 from broker_ext.sharded_queue import ShardedQueue
-from broker_ext.shards import ShardLayout, load_layout
+from broker_ext.shards import LAYOUT_RECHECK, ShardLayout, load_layout
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ class Channel(Consuming, kombu_redis.Channel):
         self._upkeep_due: dict[str, float] = {}
         super().__init__(connection, *args, **kwargs)
         self._queues: dict[str, FencedQueue | ShardedQueue] = {}
+        #: The shard layout of each queue in ``_queues``, and when to read again those that follow
+        #: the stored one (``queue_shards`` unset for them).
+        self._layouts: dict[str, ShardLayout] = {}
+        self._layout_due: dict[str, float] = {}
         self._no_ack_queues: set[str] = set()
         #: The publish batch routing a message right now (its binding tables are read once).
         self.routing_batch: FencedPublishBatch | None = None
@@ -115,6 +120,8 @@ class Channel(Consuming, kombu_redis.Channel):
         Its shard layout is read from Redis the first time (:mod:`broker_ext.shards`).
         """
         queue = self._queues.get(name)
+        if queue is not None and self._layout_changed(name):
+            queue = None
         if queue is None:
             queue_options = self.settings.queue
             if name in self._expires:
@@ -144,7 +151,25 @@ class Channel(Consuming, kombu_redis.Channel):
             shards = [shard(None if i == 0 else tag, i) for i, tag in enumerate(layout.tags)]
             queue = shards[0] if layout.count == 1 else ShardedQueue(layout, shards, self.run_calls)
             self._queues[name] = queue
+            self._layouts[name] = layout
+            if self.settings.shards_of(name) is None:
+                self._layout_due[name] = time.monotonic() + LAYOUT_RECHECK
         return queue
+
+    def _layout_changed(self, name: str) -> bool:
+        """Whether the stored layout of a queue left unset in ``queue_shards`` is no longer the one this
+        channel uses (read at most every ``LAYOUT_RECHECK`` seconds): another client may have stored
+        it since, and a consumer must claim every shard that publishers fill."""
+        due = self._layout_due.get(name)
+        if due is None or time.monotonic() < due:
+            return False
+        self._layout_due[name] = time.monotonic() + LAYOUT_RECHECK
+        try:
+            stored = load_layout(self.fenced_client, name, None, prefix=self.global_keyprefix)
+        except (redis.exceptions.RedisError, ConfigurationError) as exc:
+            logger.error("reading the shard layout of %r: %s; the layout in use stays", name, exc)
+            return False  # Read again at the next check.
+        return stored != self._layouts.get(name)
 
     def shard_queue(self, name: str, shard: int = 0) -> FencedQueue:
         """Shard ``shard`` of queue ``name`` (the queue itself when it has one shard)."""

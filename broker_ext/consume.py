@@ -136,7 +136,12 @@ class Consuming:
                 break
             claim = self._shard_claim(shard, count - claimed)
             pending = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
-            payloads += self._claimed_payloads(pending, self.run_calls(pending.calls))
+            try:
+                results = self.run_calls(pending.calls)
+            except self.connection_errors as exc:  # What the shards before it leased is still delivered.
+                logger.error("claim on %r (shard %d) failed: %r", queue, shard.shard, exc)
+                break
+            payloads += self._claimed_payloads(pending, results)
             claimed += self._claimed_count
         return payloads
 

@@ -8,11 +8,14 @@ the master that owns each call's slot and each group is sent as a plain
 pipeline on that node's connection: one round trip per node. A call that
 meets ``MOVED`` or ``ASK`` there (a slot on the move) is sent again through
 the cluster client, which follows the redirection; a script answers a
-resent call correctly, and a redirected one never ran.
+resent call correctly, and a redirected one never ran. A node that cannot
+be reached gives its calls the error while the other nodes' answers are
+returned; only when no node answers does the lost connection raise.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,20 +54,30 @@ def run_per_node(client, calls: Sequence[ScriptCall]) -> list[Any]:
     if not hasattr(client, "nodes_manager"):
         return run_calls(client, calls)
     results: list[Any] = [None] * len(calls)
-    for name, positions in group_by_node(client, calls).items():
+    groups = group_by_node(client, calls)
+    lost: list[Exception] = []
+    for name, positions in groups.items():
         node_client = client.get_redis_connection(client.get_node(node_name=name))
         pipe = node_client.pipeline(transaction=False)
         for position in positions:
             pipe.execute_command(*command_of(calls[position]))
         try:
             replies = pipe.execute(raise_on_error=False)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            client.nodes_manager.initialize()  # A failover may have moved the node's slots.
-            raise
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            # This node's calls get the error; the other nodes' answers still count (what their claims
+            # leased is delivered, their leases are extended).
+            lost.append(exc)
+            for position in positions:
+                results[position] = translate(exc, calls[position].queue)
+            with contextlib.suppress(redis.exceptions.RedisError):
+                client.nodes_manager.initialize()  # A failover may have moved the node's slots.
+            continue
         except redis.exceptions.RedisError as exc:
             raise translate(exc, calls[positions[0]].queue) from None
         for position, reply in zip(positions, replies, strict=True):
             results[position] = _result(client, calls[position], reply)
+    if len(lost) == len(groups):
+        raise lost[0]  # No node answered: a lost connection, as on a single Redis.
     return results
 
 

@@ -209,8 +209,8 @@ class FencedQoS(virtual.QoS):
             self._settle(key[0], pending.groups[key], (carried_replies or {}).get(key, NOT_RUN))
 
     def _settle(self, queue: str, group: list[Delivery], reply) -> None:
-        if reply is NOT_RUN:
-            self.buffer_acks(group)
+        if reply is NOT_RUN or isinstance(reply, self.channel.connection_errors):
+            self.buffer_acks(group)  # Not done (node unreachable): sent again, ALREADY_ACKED if done.
         elif isinstance(reply, Exception):
             # The messages stay leased; they are reclaimed and delivered again after the lease.
             logger.error("acks of %d messages on %r failed: %r", len(group), queue, reply)

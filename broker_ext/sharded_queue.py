@@ -13,8 +13,11 @@ operator's action by message id goes to the shard :meth:`locate` finds it in.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+
+import redis
 
 from broker_ext.errors import Reply
 from broker_ext.queue import FencedQueue
@@ -32,6 +35,8 @@ from broker_ext.records import (
 )
 from broker_ext.scripts import ScriptCall
 from broker_ext.shards import ShardLayout, shard_index
+
+logger = logging.getLogger(__name__)
 
 #: The counts of :class:`QueueStats` that add up over shards.
 _SUMMED = ("ready", "delayed", "leased", "dead", "expired_leases")
@@ -120,13 +125,23 @@ class ShardedQueue:
         the asked ones had too little."""
         plan = self.claim_plan(count)
         calls = [shard.claim_call(share, no_ack=no_ack, wake_next=wake_next) for shard, share in plan]
-        claimed = [item for result in _raise_first(self._run(calls)) for item in result]
+        results = self._run(calls)
+        failed = [result for result in results if isinstance(result, Exception)]
+        if failed and len(failed) == len(results):
+            raise failed[0]
+        # A shard that failed (its node unreachable) does not hide what the others leased.
+        claimed = [item for result in results if not isinstance(result, Exception) for item in result]
         asked = {shard.shard for shard, _ in plan}
         for shard in self.shards:
             if len(claimed) >= count:
                 break
             if shard.shard not in asked:
-                claimed += shard.claim(count - len(claimed), no_ack=no_ack, wake_next=wake_next)
+                try:
+                    claimed += shard.claim(count - len(claimed), no_ack=no_ack, wake_next=wake_next)
+                except redis.exceptions.ConnectionError as exc:
+                    failed.append(exc)
+        for exc in failed:
+            logger.error("claim on a shard of %r failed: %r", self.name, exc)
         return claimed
 
     def _by_shard(self, deliveries: Sequence[Delivery]) -> dict[int, list[Delivery]]:

@@ -30,10 +30,15 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import redis
 from redis.crc import key_slot
 
 from broker_ext.errors import ConfigurationError
 from broker_ext.keys import SHARD_MARK, QueueKeys, hash_tag
+
+#: Seconds between two reads of the stored layout by a client that follows it (``queue_shards`` unset
+#: for the queue): a layout stored later by another client is claimed from within this time.
+LAYOUT_RECHECK = 2.0
 
 #: Slot owners: for each slot, the name of the master that owns it (``host:port``).
 SlotOwners = Callable[[int], str]
@@ -123,13 +128,32 @@ def cluster_map(client) -> tuple[list[str], SlotOwners] | tuple[None, None]:
     return masters, lambda slot: slots[slot][0].name if slots.get(slot) else ""
 
 
+def _stored(client, queue: str, key: str) -> ShardLayout | None:
+    """The layout stored at ``key`` (``None``: none); a key holding anything else is refused, as no
+    client can tell which shards hold the queue's messages."""
+    try:
+        raw = client.get(key)
+    except redis.exceptions.ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise
+        kind = client.type(key)
+        raw = f"a key of type {kind.decode() if isinstance(kind, bytes) else kind}"
+    stored = ShardLayout.parse(queue, raw) if isinstance(raw, bytes | str) and raw else None
+    if raw is not None and stored is None:
+        raise ConfigurationError(
+            f"{key} holds {raw[:80]!r}, not the shard layout of queue {queue!r}: an operator must restore "
+            "or delete it (delete it only if no shard but the first holds messages). Nothing was changed."
+        )
+    return stored
+
+
 def load_layout(
     client,
     queue: str,
     count: int | None,
     *,
     prefix: str = "",
-    holds_messages: Callable[[ShardLayout], bool],
+    holds_messages: Callable[[ShardLayout], bool] = lambda layout: True,
 ) -> ShardLayout:
     """The layout of ``queue``: the stored one, or a new one of ``count`` shards stored now.
 
@@ -142,7 +166,7 @@ def load_layout(
     of the new layout, so its messages stay where consumers claim.
     """
     key = QueueKeys(queue, prefix).shards
-    stored = ShardLayout.parse(queue, client.get(key))
+    stored = _stored(client, queue, key)
     if count is None:
         return stored or unsharded(queue)
     if stored is None and count <= 1:

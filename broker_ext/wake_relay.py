@@ -75,10 +75,19 @@ class WakeRelay:
                 if client is None:
                     client = self._node_client(keys[0])
                 woken = client.bzpopmin(keys, self.timeout)
+                if not woken:
+                    continue
+                taken, member, score = woken
                 home = self.home_key()
-                if woken and home is not None and not stopped.is_set():
-                    taken = woken[0].decode() if isinstance(woken[0], bytes) else woken[0]
-                    self.cluster.zadd(home, {RELAYED + taken: 0})
+                if home is None or stopped.is_set():
+                    # Not relayed (stopping, or no consumer here): the marker goes back for whoever
+                    # else waits on it.
+                    client.zadd(taken, {member: score})
+                    stopped.wait(self.timeout)
+                    continue
+                self.cluster.zadd(
+                    home, {RELAYED + (taken.decode() if isinstance(taken, bytes) else taken): 0}
+                )
             except Exception as exc:  # MOVED after a resharding, a failover, a lost node
                 logger.info("wake relay on %s: %r; reconnecting", keys[0], exc)
                 if client is not None:

@@ -28,8 +28,10 @@ from broker_ext.qos import by_shard
 from broker_ext.records import OutgoingMessage, Place
 from broker_ext.scripts import SCRIPT_NAMES, source
 from broker_ext.shards import plan, shard_index
+from broker_ext.wake_relay import WakeRelay
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
+from lab.redis_servers import RedisCluster
 from tests.helpers import reset_connections, runs
 
 CLUSTER = {"cluster": True, "lease_timeout": 2}
@@ -398,3 +400,110 @@ def test_the_plan_puts_each_shard_on_the_next_master_and_any_tags_do_on_a_single
     single = plan("orders", 4, None, None)
     assert len(set(single.tags)) == 4 and single.tags[0] == "orders"
     assert plan("orders", 1, masters, owner).tags == ("orders",)
+
+
+def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_leases_extended():
+    """A master holding one shard is unreachable: the calls to the other masters still give their
+    answers (what their claims leased is delivered, not stranded for a lease; their leases are
+    extended), and the unreachable shard's buffered acks stay buffered."""
+    cluster = RedisCluster(masters=3).start()
+    conn = Connection(cluster.fenced_urls(), transport_options={**CLUSTER, "queue_shards": {"hot": 3}})
+    try:
+        channel = conn.channel()
+        queue = channel.fenced_queue("hot")
+        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 3)])
+        held = [item.delivery for item in queue.claim(3)]
+        assert sorted(delivery.shard for delivery in held) == [0, 1, 2]
+        for node in cluster.live_nodes():  # Every script loaded (a SCRIPT LOAD goes to every master).
+            for name in SCRIPT_NAMES:
+                node.client().script_load(source(name))
+        cluster.master_for(queue.shards[1].keys.wake).kill()
+
+        extend = [channel.shard_queue(*key).extend_call(group) for key, group in by_shard(held).items()]
+        replies = dict(zip(by_shard(held), channel.run_calls(extend), strict=True))
+        assert replies[("hot", 0)] == [Reply.OK] and replies[("hot", 2)] == [Reply.OK]
+        assert isinstance(replies[("hot", 1)], redis.exceptions.ConnectionError)
+
+        payloads = channel.claim("hot", 3)
+        shards = sorted(payload["properties"].get("fenced_shard", 0) for payload in payloads)
+        assert shards == [0, 2]  # nothing the live shards leased is left undelivered
+
+        channel.qos.buffer_acks(held)
+        channel.qos.flush_acks()
+        assert queue.shards[0].stats().counters.get("acked") == 1
+        assert queue.shards[2].stats().counters.get("acked") == 1
+        assert [delivery.shard for delivery in channel.qos.pending_acks().deliveries] == [1]
+
+        # A claim whose shards had too little asks the others: the unreachable one fails alone.
+        channel.claim("hot", 10)  # the live shards drained
+        queue.shards[0].publish([OutgoingMessage("late", BODY)])
+        payloads = channel.claim("hot", 2, first=2)  # asks shards 2 and 0, then 1 (down)
+        assert [payload["properties"]["fenced_message_id"] for payload in payloads] == ["late"]
+        queue.shards[2].publish([OutgoingMessage("later", BODY)])
+        assert [item.delivery.message_id for item in queue.claim(3)] == ["later"]
+    finally:
+        conn.release()
+        cluster.cleanup()
+
+
+def test_a_consumer_left_unset_that_read_before_the_layout_was_stored_comes_to_claim_every_shard(connect):
+    """A worker without ``queue_shards`` started before any client stored the layout: it finds the
+    layout later, so the messages of shards 1..n are not left where it never claims."""
+    consumer = connect().channel()
+    assert len(consumer.fenced_queue("hot").shards) == 1  # nothing stored yet
+    producer = connect(queue_shards={"hot": 3}).channel()
+    published = ids_for_shards(3, 2)
+    producer.fenced_queue("hot").publish([OutgoingMessage(mid, BODY) for mid in published])
+    got: set[str] = set()
+
+    def claimed_all() -> bool:
+        got.update(payload["properties"]["fenced_message_id"] for payload in consumer.claim("hot", 10))
+        return got == set(published)
+
+    assert wait_for(claimed_all, timeout=15), got
+    assert len(consumer.fenced_queue("hot").shards) == 3
+
+
+def test_a_wake_up_the_relay_takes_as_it_stops_goes_back_to_its_marker(redis_cluster):
+    """A publish sets a shard's marker while the channel closes (its relay stopping): the relay puts
+    the marker back instead of dropping it, so the consumers waiting on it still wake."""
+    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    marker = "fenced:{relay-test%S1.0}:wake"
+    client.delete(marker)
+    relay = WakeRelay(client, lambda: "fenced:{relay-test}:wake", timeout=5)
+    node = redis_cluster.master_for(marker).client()
+
+    def relay_blocked() -> bool:
+        return any(entry["cmd"] == "bzpopmin" and "b" in entry["flags"] for entry in node.client_list())
+
+    try:
+        relay.watch([[marker]])
+        assert wait_for(relay_blocked, timeout=10)
+        relay.stop()
+        client.zadd(marker, {"w": 0})
+        assert wait_for(lambda: not relay_blocked(), timeout=10)
+        assert client.zrange(marker, 0, -1) == [b"w"]
+    finally:
+        relay.stop()
+        client.close()
+
+
+def test_a_layout_key_that_holds_no_layout_is_refused_with_a_clear_error_and_nothing_is_written(connect):
+    """The layout key overwritten (not JSON, another queue's, or of another type): every client refuses
+    the queue with an error naming the key, instead of using a layout no other client reads."""
+    raw = connect().channel().fenced_client
+    key = "fenced:{hot}:shards"
+    plants = {
+        "not json": lambda: raw.set(key, "garbage"),
+        "another queue's": lambda: raw.set(key, json.dumps({"n": 2, "tags": ["cold", "cold%S1.0"]})),
+        "a hash": lambda: raw.hset(key, "n", 3),
+    }
+    for what, plant in plants.items():
+        raw.delete(key)
+        plant()
+        before = raw.dump(key)
+        for options in ({"queue_shards": {"hot": 3}}, {}):
+            with pytest.raises(ConfigurationError, match="shard layout"):
+                connect(**options).channel().fenced_queue("hot")
+        assert raw.dump(key) == before, what
+    raw.delete(key)
