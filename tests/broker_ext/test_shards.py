@@ -507,3 +507,36 @@ def test_a_layout_key_that_holds_no_layout_is_refused_with_a_clear_error_and_not
                 connect(**options).channel().fenced_queue("hot")
         assert raw.dump(key) == before, what
     raw.delete(key)
+
+
+def _consume_at_prefetch_1(connect, shards: int, count: int) -> list[int]:
+    """The shard of each of the first ``count`` messages a prefetch-1 Kombu consumer takes."""
+    from broker_ext.messages import delivery_of
+
+    conn = connect(queue_shards=shards)
+    queue = Queue("hot", Exchange("hot"), routing_key="hot")
+    producer = Producer(connect(queue_shards=shards).channel())
+    ids = ids_for_shards(shards, count)  # a backlog of ``count`` on every shard: none runs dry here
+    for message_id in ids:
+        producer.publish({}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue])
+    taken: list[int] = []
+
+    def take(body, message) -> None:
+        taken.append(delivery_of(message.properties).shard)
+        message.ack()
+
+    with Consumer(conn.channel(), [queue], callbacks=[take], prefetch_count=1):
+        _drain(conn, lambda: len(taken) >= count, 60)
+    return taken[:count]
+
+
+@pytest.mark.parametrize("shards", [3, 6])
+def test_a_prefetch_1_consumer_takes_from_every_shard_in_turn_while_all_have_a_backlog(connect, shards):
+    """Counted, not timed: over a window where every shard still holds messages, each shard gives
+    its share within a bound (before, the remote shards' relayed wake-ups kept winning over the
+    home slot's own, whose shards waited until the others ran dry)."""
+    window = 12 * shards
+    taken = _consume_at_prefetch_1(connect, shards, window)
+    per_shard = Counter(taken)
+    assert len(taken) == window
+    assert all(8 <= per_shard[shard] <= 16 for shard in range(shards)), per_shard
