@@ -15,9 +15,12 @@ at once). Ending deliveries (acks, rejects, give-backs) is the QoS's
 
 A sharded queue (:mod:`broker_ext.shards`) is claimed with one call per
 shard its claim plan asks, in one round trip per node; the consumer waits on
-every shard's marker, and a woken consumer asks the shard whose marker it
-took first, so that the claim that takes from it sets it again while
-messages remain there.
+every shard's marker. A woken consumer claims in the plan's rotation, not
+from the shard whose marker it took: one BZPOPMIN always pops the same
+marker first when several are set, and a claim that sets its own shard's
+marker again would keep that shard first while the others wait. A marker
+whose shard the claim did not ask is put back, so that no shard holding
+messages is left without one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from broker_ext.errors import FencedError, RedisUnavailable, ScriptRefused
 from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
+from broker_ext.nodes import node_of
 from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, ClaimReply, Delivery
@@ -111,6 +115,7 @@ class Consuming:
         count: int,
         *,
         no_ack: bool | None = None,
+        woken: tuple[int, str, str] | None = None,
         first: int | None = None,
         follow_up: bool = True,
     ) -> list[dict]:
@@ -121,6 +126,11 @@ class Consuming:
         its poll timed out does not: the markers say where messages wait, and
         the next such claim asks the next shard).
 
+        ``woken``: the shard, key and member of the wake-up marker a BZPOPMIN
+        took; put back when this claim does not ask that shard (the shard
+        holds messages, and its marker must stay for the next poll). ``first``: the shard the plan
+        starts at (default: the next in the queue's rotation).
+
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
         pending = self._claim_calls(queue, count, no_ack, wake_next=True, first=first)
@@ -128,13 +138,17 @@ class Consuming:
             results = self.run_calls(pending.calls)
         except self.connection_errors:
             self.qos.buffer_acks(pending.acks.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
+            if woken is not None:
+                self._put_back(woken)
             raise
         payloads = self._claimed_payloads(pending, results)
         claimed = self._claimed_count
+        asked = set(pending.asked)
         for shard in pending.unasked if follow_up else ():  # The shards asked had too little: ask the others.
             if claimed >= count:
                 break
             claim = self._shard_claim(shard, count - claimed)
+            asked.add(shard.shard)
             pending = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
             try:
                 results = self.run_calls(pending.calls)
@@ -143,13 +157,25 @@ class Consuming:
                 break
             payloads += self._claimed_payloads(pending, results)
             claimed += self._claimed_count
+        if woken is not None and woken[0] not in asked:
+            self._put_back(woken)
         return payloads
+
+    def _put_back(self, woken: tuple[int, str, str]) -> None:
+        """Set again the wake-up marker a BZPOPMIN took for a shard no claim asked (it holds messages)."""
+        _, key, member = woken
+        try:
+            self.fenced_client.zadd(key, {member: 0})
+        except self.connection_errors as exc:  # An idle claim after the poll timeout still comes round.
+            logger.error("putting back the wake-up marker %s failed: %r", key, exc)
 
     def _claim_calls(
         self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool, first: int | None = None
     ) -> PendingClaim:
         """The buffered acks (taken from the QoS) and a claim per shard asked, each carrying its shard's
-        acks: one round trip per node.
+        acks: one round trip per node. Acks of shards on nodes the claim does not go to stay buffered,
+        for a later claim there or the lease keeper's flush (``ack_flush_interval``): no round trip
+        of their own.
 
         A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
         and promotes only every ``upkeep_interval``; any other claim does.
@@ -163,7 +189,12 @@ class Consuming:
         fenced = self.fenced_queue(queue)
         plan = fenced.claim_plan(count, first)
         asked = [shard.shard for shard, _ in plan]
-        acks = self.qos.pending_acks(carried_by=[(queue, shard) for shard in asked])
+        client = self.fenced_client
+        nodes = {node_of(client, shard.keys.wake) for shard, _ in plan}
+        acks = self.qos.pending_acks(
+            carried_by=[(queue, shard) for shard in asked],
+            rides=lambda key: node_of(client, self.shard_queue(*key).keys.wake) in nodes,
+        )
         claims = [
             shard.acking_claim_call(
                 acks.carried_by((queue, shard.shard)),
@@ -248,21 +279,23 @@ class Consuming:
         return delivered
 
     def claim_and_deliver(
-        self, queues: list[str], first: int | None = None, *, follow_up: bool = True
+        self, queues: list[str], woken: tuple[int, str, str] | None = None, *, follow_up: bool = True
     ) -> int:
         """Claim from ``queues`` in order while there is credit; returns how many were delivered.
 
-        ``first``: the shard of the first queue whose wake-up marker woke the consumer, asked first;
-        ``follow_up``: as for :meth:`claim`.
+        ``woken``: the marker of the first queue's shard that woke the consumer; ``follow_up``: both as
+        for :meth:`claim`.
         """
         delivered = 0
         for queue in queues:
             credit = self._credit()
             if credit <= 0:
+                if woken is not None:
+                    self._put_back(woken)
                 break
-            payloads = self.claim(queue, credit, first=first, follow_up=follow_up)
+            payloads = self.claim(queue, credit, woken=woken, follow_up=follow_up)
             delivered += self._deliver_claimed(queue, payloads)
-            first = None
+            woken = None
         return delivered
 
     def _get(self, queue):
@@ -303,7 +336,8 @@ class Consuming:
             commands = [command_of(call) for call in self._polled_claim.calls]
             connection.send_packed_command(connection.pack_commands(commands))
             return
-        connection.send_command("BZPOPMIN", *self.brpop_keys(queues), timeout or 0)
+        self._polled_keys = self.brpop_keys(queues)
+        connection.send_command("BZPOPMIN", *self._polled_keys, timeout or 0)
 
     def _read_polled_claim(self, pending: PendingClaim, **options) -> bool:
         """Read the replies of a claim sent as the poll command and deliver what it claimed."""
@@ -372,9 +406,9 @@ class Consuming:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken, shard = self._woken(bytes_to_str(reply[0]), bytes_to_str(reply[1]))
+                woken, marker = self._woken(bytes_to_str(reply[0]), bytes_to_str(reply[1]))
                 self._queue_cycle.rotate(woken)
-                if woken in queues and self.claim_and_deliver([woken], first=shard):
+                if woken in queues and self.claim_and_deliver([woken], marker):
                     return True
             if self.claim_and_deliver(queues, follow_up=bool(reply)):
                 return True
@@ -383,13 +417,16 @@ class Consuming:
             self._in_poll = None
             self._flush_brpop_reauth()
 
-    def _woken(self, key: str, member: str) -> tuple[str | None, int | None]:
-        """The queue and shard whose marker a BZPOPMIN took (a relayed one names its shard's marker)."""
+    def _woken(self, key: str, member: str) -> tuple[str | None, tuple[int, str, str] | None]:
+        """The queue whose marker a BZPOPMIN took, and the shard, key and member of that marker (a
+        relayed one names its shard's marker); the key as sent (Kombu's reply drops the key prefix)."""
+        taken = next((sent for sent in getattr(self, "_polled_keys", ()) if sent.endswith(key)), None)
         key = member.removeprefix(RELAYED) if member.startswith(RELAYED) else key
         queue = queue_of_key(key, "wake")
-        if queue is None or queue not in self.active_queues:
+        if queue is None or queue not in self.active_queues or taken is None:
             return queue, None
-        return queue, self.fenced_queue(queue).shard_of_wake(key)
+        shard = self.fenced_queue(queue).shard_of_wake(key)
+        return queue, None if shard is None else (shard, taken, member)
 
     def _restore(self, message, leftmost=False):
         delivery = delivery_of(message.properties)

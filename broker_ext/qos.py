@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,14 +181,26 @@ class FencedQoS(virtual.QoS):
         with self._lock:
             return len(self._unsent_acks)
 
-    def pending_acks(self, carried_by: Iterable[ShardKey] = ()) -> PendingAcks:
+    def pending_acks(
+        self, carried_by: Iterable[ShardKey] = (), rides: Callable[[ShardKey], bool] | None = None
+    ) -> PendingAcks:
         """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`).
 
         ``carried_by``: the queue shards a claim is about to be sent to; their
         acks go inside those claims' script calls, not in calls of their own.
+        ``rides``: which queue shards' acks to take (those on a node the claim
+        goes to: no round trip of their own); the others stay buffered for a
+        later claim to their node or the lease keeper's flush.
         """
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
+        if rides is not None:
+            left = [delivery for delivery in acks if not rides((delivery.queue, delivery.shard))]
+            if left:
+                acks = [delivery for delivery in acks if rides((delivery.queue, delivery.shard))]
+                with self._lock:
+                    self._unsent_acks[:0] = left
+                self.acks_waiting.set()
         groups = by_shard(acks)
         carried = tuple(key for key in carried_by if key in groups)
         calls = [

@@ -109,8 +109,8 @@ class ShardedQueue:
     def claim_plan(self, count: int, first: int | None = None) -> list[tuple[FencedQueue, int]]:
         """How many each shard is asked for in one claim: ``count`` split evenly, starting one shard
         further each time, so that a consumer with a small prefetch still takes from every shard in turn.
-        Shards asked for 0 are left out. ``first``: the shard whose wake-up marker woke the consumer
-        starts (its marker was taken: the claim that takes from it sets it again if more wait there)."""
+        Shards asked for 0 are left out. ``first``: the shard that starts instead (a woken consumer
+        does not pass the shard whose marker it took: that marker would win every next poll)."""
         n = len(self.shards)
         start = first % n if first is not None else next(self._rotation) % n
         plan = []

@@ -7,7 +7,8 @@ polls one connection per channel: the consumer blocks on its home marker
 a relay thread per other slot of its sharded queues blocks on that slot's
 markers, on the node that owns it. When a publish sets one, the relay takes
 it and sets the home marker, which wakes an idle consumer there at once; the
-woken consumer claims from every shard, that one first. No shard waits for a poll interval,
+woken consumer claims in its rotation over the shards (and puts the marker back if
+that claim did not ask its shard). No shard waits for a poll interval,
 and an idle consumer costs one BZPOPMIN per ``RELAY_TIMEOUT`` per relay.
 """
 
@@ -23,7 +24,7 @@ import redis
 logger = logging.getLogger(__name__)
 
 #: What a relayed wake-up's member starts with; the rest names the shard's marker the relay took, so
-#: that the woken consumer claims from that shard first (and sets its marker again if more wait).
+#: that the woken consumer knows whether its claim asked that shard (else it puts the member back).
 RELAYED = "relayed:"
 #: Seconds a relay's BZPOPMIN blocks before it is sent again (it also notices a stop then).
 RELAY_TIMEOUT = 5

@@ -518,7 +518,9 @@ def _consume_at_prefetch_1(connect, shards: int, count: int) -> list[int]:
     producer = Producer(connect(queue_shards=shards).channel())
     ids = ids_for_shards(shards, count)  # a backlog of ``count`` on every shard: none runs dry here
     for message_id in ids:
-        producer.publish({}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue])
+        producer.publish(
+            {}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue]
+        )
     taken: list[int] = []
 
     def take(body, message) -> None:
