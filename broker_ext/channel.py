@@ -62,6 +62,10 @@ class Channel(Consuming, kombu_redis.Channel):
         #: How many messages the last claim's replies held (before malformed ones were set aside).
         self._claimed_count = 0
         self._polled_claim: PendingClaim | None = None
+        #: Wake-up markers (key, member) a woken consumer took for shards its claim did not ask, to put
+        #: back; those :attr:`_carried_put_backs` travel in front of the poll's BZPOPMIN.
+        self._put_backs: list[tuple[str, str]] = []
+        self._carried_put_backs: list[tuple[str, str]] = []
         #: When each queue's next claim reclaims and promotes (monotonic), for a busy consumer's polls.
         self._upkeep_due: dict[str, float] = {}
         super().__init__(connection, *args, **kwargs)
@@ -303,6 +307,7 @@ class Channel(Consuming, kombu_redis.Channel):
                 keeper.linger()  # Until the running tasks are acked; see broker_ext.worker.
             else:
                 keeper.stop()
+        self._flush_put_backs()
         try:
             self.qos.flush_acks()
         except Exception as exc:

@@ -162,12 +162,19 @@ class Consuming:
         return payloads
 
     def _put_back(self, woken: tuple[int, str, str]) -> None:
-        """Set again the wake-up marker a BZPOPMIN took for a shard no claim asked (it holds messages)."""
-        _, key, member = woken
-        try:
-            self.fenced_client.zadd(key, {member: 0})
-        except self.connection_errors as exc:  # An idle claim after the poll timeout still comes round.
-            logger.error("putting back the wake-up marker %s failed: %r", key, exc)
+        """Set again the wake-up marker a BZPOPMIN took for a shard no claim asked (it holds messages):
+        in front of the next poll's BZPOPMIN when the consumer polls again at once (no round trip of
+        its own), else now (:meth:`_flush_put_backs`)."""
+        self._put_backs.append(woken[1:])
+
+    def _flush_put_backs(self) -> None:
+        """Put back now the markers no poll is about to carry (no credit left, or closing)."""
+        markers, self._put_backs = self._put_backs, []
+        for key, member in markers:
+            try:
+                self.fenced_client.zadd(key, {member: 0})
+            except self.connection_errors as exc:  # An idle claim after the poll timeout still comes round.
+                logger.error("putting back the wake-up marker %s failed: %r", key, exc)
 
     def _claim_calls(
         self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool, first: int | None = None
@@ -336,8 +343,19 @@ class Consuming:
             commands = [command_of(call) for call in self._polled_claim.calls]
             connection.send_packed_command(connection.pack_commands(commands))
             return
+        # Markers sent in front of a poll whose replies were never read (the poll failed): not known done.
+        self._put_backs += self._carried_put_backs
+        self._carried_put_backs = []
         self._polled_keys = self.brpop_keys(queues)
-        connection.send_command("BZPOPMIN", *self._polled_keys, timeout or 0)
+        poll = ("BZPOPMIN", *self._polled_keys, timeout or 0)
+        carried = [marker for marker in self._put_backs if marker[0] in self._polled_keys]
+        if not carried:
+            connection.send_command(*poll)
+            return
+        self._put_backs = [marker for marker in self._put_backs if marker not in carried]
+        self._carried_put_backs = carried
+        puts = [("ZADD", key, 0, member) for key, member in carried]
+        connection.send_packed_command(connection.pack_commands([*puts, poll]))
 
     def _read_polled_claim(self, pending: PendingClaim, **options) -> bool:
         """Read the replies of a claim sent as the poll command and deliver what it claimed."""
@@ -393,6 +411,7 @@ class Consuming:
             if pending is not None:
                 return self._read_polled_claim(pending, **options)
             try:
+                self._read_put_backs(**options)
                 reply = self.client.parse_response(self.client.connection, "BZPOPMIN", **options)
             except self.connection_errors:
                 self.client.connection.disconnect()
@@ -415,7 +434,22 @@ class Consuming:
             raise Empty()
         finally:
             self._in_poll = None
+            if self._put_backs and (self._closing or self._credit() <= 0):
+                self._flush_put_backs()
             self._flush_brpop_reauth()
+
+    def _read_put_backs(self, **options) -> None:
+        """Read the replies of the markers put back in front of the BZPOPMIN; one the poll's node
+        refused (its slot moved), or a lost connection, leaves them to be put back again."""
+        carried, self._carried_put_backs = self._carried_put_backs, []
+        for position, marker in enumerate(carried):
+            try:
+                self.client.parse_response(self.client.connection, "ZADD", **options)
+            except redis.exceptions.ResponseError:
+                self._put_backs.append(marker)
+            except self.connection_errors:
+                self._put_backs += carried[position:]
+                raise
 
     def _woken(self, key: str, member: str) -> tuple[str | None, tuple[int, str, str] | None]:
         """The queue whose marker a BZPOPMIN took, and the shard, key and member of that marker (a

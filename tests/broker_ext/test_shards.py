@@ -542,3 +542,35 @@ def test_a_prefetch_1_consumer_takes_from_every_shard_in_turn_while_all_have_a_b
     per_shard = Counter(taken)
     assert len(taken) == window
     assert all(8 <= per_shard[shard] <= 16 for shard in range(shards)), per_shard
+
+
+def test_a_prefetch_1_consumer_of_6_shards_pays_about_a_poll_and_a_claim_per_message(connect, request, where):
+    """Counted: round trips from this process (relay threads included) while a prefetch-1 consumer
+    drains a backlog on every shard. Each message costs the poll and one claim on its shard's node,
+    which carries that shard's acks; the acks of other nodes ride with a later claim there and a
+    taken marker goes back in front of the next poll. Before, 4.3 a message on the cluster."""
+    from broker_ext.messages import delivery_of
+
+    conn = connect(queue_shards=6)
+    queue = Queue("hot", Exchange("hot"), routing_key="hot")
+    producer = Producer(connect(queue_shards=6).channel())
+    for message_id in ids_for_shards(6, 20):
+        producer.publish(
+            {}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue]
+        )
+    taken: list[int] = []
+
+    def take(body, message) -> None:
+        taken.append(delivery_of(message.properties).shard)
+        message.ack()
+
+    with Consumer(conn.channel(), [queue], callbacks=[take], prefetch_count=1):
+        _drain(conn, lambda: len(taken) >= 12, 30)  # warm: scripts loaded, relays watching
+        start = len(taken)
+        with _round_trips(_ports(request, where)) as trips:
+            _drain(conn, lambda: len(taken) >= start + 60, 60)
+            counted = len(taken) - start
+    per_message = sum(t.count for t in trips) / counted
+    print(f"{where}: {per_message:.2f} round trips per message, {[t.count for t in trips]} over {counted}")
+    assert counted >= 60
+    assert per_message <= (2.2 if where == "single" else 3.0), per_message
