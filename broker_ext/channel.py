@@ -37,7 +37,7 @@ from broker_ext.messages import (
 )
 from broker_ext.nodes import run_per_node
 from broker_ext.qos import FencedQoS
-from broker_ext.queue import FencedQueue
+from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import ScriptCall, register
 from broker_ext.sharded_queue import ShardedQueue
@@ -66,6 +66,8 @@ class Channel(Consuming, kombu_redis.Channel):
         #: back; those :attr:`_carried_put_backs` travel in front of the poll's BZPOPMIN.
         self._put_backs: list[tuple[str, str]] = []
         self._carried_put_backs: list[tuple[str, str]] = []
+        #: The member a busy consumer on a Cluster sets in its home marker to return its poll at once.
+        self._busy_marker = f"busy:{new_claim_id()}"
         #: When each queue's next claim reclaims and promotes (monotonic), for a busy consumer's polls.
         self._upkeep_due: dict[str, float] = {}
         super().__init__(connection, *args, **kwargs)

@@ -118,6 +118,7 @@ class Consuming:
         woken: tuple[int, str, str] | None = None,
         first: int | None = None,
         follow_up: bool = True,
+        wake_next: bool = True,
     ) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
 
@@ -133,7 +134,7 @@ class Consuming:
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
-        pending = self._claim_calls(queue, count, no_ack, wake_next=True, first=first)
+        pending = self._claim_calls(queue, count, no_ack, wake_next=wake_next, first=first)
         try:
             results = self.run_calls(pending.calls)
         except self.connection_errors:
@@ -286,7 +287,12 @@ class Consuming:
         return delivered
 
     def claim_and_deliver(
-        self, queues: list[str], woken: tuple[int, str, str] | None = None, *, follow_up: bool = True
+        self,
+        queues: list[str],
+        woken: tuple[int, str, str] | None = None,
+        *,
+        follow_up: bool = True,
+        wake_next: bool = True,
     ) -> int:
         """Claim from ``queues`` in order while there is credit; returns how many were delivered.
 
@@ -300,7 +306,7 @@ class Consuming:
                 if woken is not None:
                     self._put_back(woken)
                 break
-            payloads = self.claim(queue, credit, woken=woken, follow_up=follow_up)
+            payloads = self.claim(queue, credit, woken=woken, follow_up=follow_up, wake_next=wake_next)
             delivered += self._deliver_claimed(queue, payloads)
             woken = None
         return delivered
@@ -349,10 +355,16 @@ class Consuming:
         self._polled_keys = self.brpop_keys(queues)
         poll = ("BZPOPMIN", *self._polled_keys, timeout or 0)
         carried = [marker for marker in self._put_backs if marker[0] in self._polled_keys]
+        if not self.pipelines_scripts and self._more_ready in queues:
+            # A busy consumer on a Cluster (its claims go to other nodes than its poll): a marker of its
+            # own in front of the BZPOPMIN returns it at once, and its claims set no marker (as a busy
+            # consumer's polled claims on a single Redis), which spares the relays a wake-up each.
+            carried.append((self._polled_keys[0], self._busy_marker))
         if not carried:
             connection.send_command(*poll)
             return
         self._put_backs = [marker for marker in self._put_backs if marker not in carried]
+        self._put_backs = [marker for marker in self._put_backs if marker[1] != self._busy_marker]
         self._carried_put_backs = carried
         puts = [("ZADD", key, 0, member) for key, member in carried]
         connection.send_packed_command(connection.pack_commands([*puts, poll]))
@@ -425,9 +437,13 @@ class Consuming:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken, marker = self._woken(bytes_to_str(reply[0]), bytes_to_str(reply[1]))
+                member = bytes_to_str(reply[1])
+                woken, marker = self._woken(bytes_to_str(reply[0]), member)
                 self._queue_cycle.rotate(woken)
-                if woken in queues and self.claim_and_deliver([woken], marker):
+                busy = member == self._busy_marker  # its own: no marker to put back, none to set
+                if woken in queues and self.claim_and_deliver(
+                    [woken], None if busy else marker, wake_next=not busy
+                ):
                     return True
             if self.claim_and_deliver(queues, follow_up=bool(reply)):
                 return True
@@ -446,9 +462,9 @@ class Consuming:
             try:
                 self.client.parse_response(self.client.connection, "ZADD", **options)
             except redis.exceptions.ResponseError:
-                self._put_backs.append(marker)
+                self._put_backs += [marker] if marker[1] != self._busy_marker else []
             except self.connection_errors:
-                self._put_backs += carried[position:]
+                self._put_backs += [left for left in carried[position:] if left[1] != self._busy_marker]
                 raise
 
     def _woken(self, key: str, member: str) -> tuple[str | None, tuple[int, str, str] | None]:

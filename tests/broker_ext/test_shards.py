@@ -547,8 +547,9 @@ def test_a_prefetch_1_consumer_takes_from_every_shard_in_turn_while_all_have_a_b
 def test_a_prefetch_1_consumer_of_6_shards_pays_about_a_poll_and_a_claim_per_message(connect, request, where):
     """Counted: round trips from this process (relay threads included) while a prefetch-1 consumer
     drains a backlog on every shard. Each message costs the poll and one claim on its shard's node,
-    which carries that shard's acks; the acks of other nodes ride with a later claim there and a
-    taken marker goes back in front of the next poll. Before, 4.3 a message on the cluster."""
+    which carries that shard's acks; the acks of other nodes ride with a later claim there, a taken
+    marker goes back in front of the next poll, and a busy consumer's claims set no marker for the
+    relays to pass on. Before: 4.3 a message on the cluster (about 2.2 now, 1.0 on a single Redis)."""
     from broker_ext.messages import delivery_of
 
     conn = connect(queue_shards=6)
@@ -571,6 +572,5 @@ def test_a_prefetch_1_consumer_of_6_shards_pays_about_a_poll_and_a_claim_per_mes
             _drain(conn, lambda: len(taken) >= start + 60, 60)
             counted = len(taken) - start
     per_message = sum(t.count for t in trips) / counted
-    print(f"{where}: {per_message:.2f} round trips per message, {[t.count for t in trips]} over {counted}")
     assert counted >= 60
-    assert per_message <= (2.2 if where == "single" else 3.0), per_message
+    assert per_message <= (1.2 if where == "single" else 2.6), per_message
