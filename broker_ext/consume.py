@@ -20,7 +20,10 @@ from the shard whose marker it took: one BZPOPMIN always pops the same
 marker first when several are set, and a claim that sets its own shard's
 marker again would keep that shard first while the others wait. A marker
 whose shard the claim did not ask is put back, so that no shard holding
-messages is left without one.
+messages is left without one. On a Cluster a busy consumer (its last claim
+came back full) cannot send its claim as the poll (the claim's nodes are not
+the poll's): it sets a marker of its own in front of the BZPOPMIN instead,
+which returns at once, and its claims set no marker for the relays.
 """
 
 from __future__ import annotations
