@@ -245,7 +245,7 @@ def bullmq_once(run: BenchRun, workload: Workload, messages: int) -> tuple[float
                 raise AssertionError(f"bullmq: {stored} jobs waiting, {expected} added")
             return messages / result["seconds"], load.summary(messages)
         if done != messages:
-            raise AssertionError(f"bullmq: {done} jobs done between the marks, {messages} measured ({result})")
+            raise AssertionError(f"bullmq: {done} done in the span, {messages} measured ({result})")
         return done / load.seconds, {"jobs_done_in_span": done, **load.summary(done)}
     finally:
         run.release_db(db)

@@ -98,7 +98,7 @@ def test_a_consume_span_holds_exactly_the_run_s_jobs(level_run, workload):
 
 
 def test_a_span_far_smaller_than_the_concurrency_still_holds_exactly_its_jobs(level_run):
-    """20 jobs at concurrency 100 (``--quick --messages 20``): none finishes before the start mark's answer."""
+    """20 jobs at concurrency 100 (``--quick --messages 20``): none finishes before the start mark."""
     workload = next(w for w in bullmq_level.WORKLOADS if w.key == "consume.c100")
     for _ in range(3):
         _, details = bullmq_level.bullmq_once(level_run, workload, 20)
