@@ -27,7 +27,6 @@ local function parse_state(text)
           priority = tonumber(pr), queued = qu, first_deadline = 0, claim = '', publish_ids = ''}
 end
 local function format_state(s)
-  return string.format('%.0f', s.token) .. '|' .. s.deliveries .. '|' .. s.charged .. '|'
-    .. s.interrupted .. '|' .. s.priority .. '|' .. s.queued .. '|'
-    .. string.format('%.0f', s.first_deadline) .. '|' .. s.claim .. '|' .. s.publish_ids
+  return string.format('%.0f|%d|%d|%d|%d|%s|%.0f|%s|%s', s.token, s.deliveries, s.charged, s.interrupted,
+    s.priority, s.queued, s.first_deadline, s.claim, s.publish_ids)
 end
