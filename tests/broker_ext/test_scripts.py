@@ -203,6 +203,26 @@ def test_a_late_ack_of_another_delivery_after_the_message_was_acked_is_stale(que
     assert queue.ack([new.delivery]) == [Reply.ALREADY_ACKED]
 
 
+@pytest.mark.parametrize("fields", [8, 4])
+def test_an_ack_riding_in_a_claim_reads_a_state_record_of_an_earlier_format(queue, redis_client, fields):
+    """A rolling upgrade: a delivery whose record an earlier version wrote (eight fields, or four
+    without a claim) is acked by its token (and claim) as before, not only the current record's."""
+    queue.publish([message("a"), message("b")])
+    (held,) = queue.claim(1, claim_id="old")
+    token = held.delivery.token
+    if fields == 8:
+        record = f"{token}|1|1|0|0|1|0|old"
+    else:
+        record, held = f"{token}|1|0|1", replace(held, delivery=replace(held.delivery, claim=""))
+    redis_client.hset(queue.keys.state, "a", record)
+    stale = replace(held.delivery, token=token - 1)
+    assert queue.ack_and_claim([stale], 1, wake_next=False, upkeep=False).acked == [Reply.STALE]
+    redis_client.hset(queue.keys.state, "a", record)
+    reply = queue.ack_and_claim([held.delivery], 1, wake_next=False, upkeep=False)
+    assert reply.acked == [Reply.OK]
+    assert redis_client.hget(queue.keys.state, "a") is None
+
+
 def test_a_delivery_is_its_token_and_claim_so_an_equal_token_of_another_claim_is_stale(queue, redis_client):
     """After a failover that lost writes, a token can be handed out twice: the claim id tells them apart."""
     queue.publish([message("a")])
