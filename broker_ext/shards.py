@@ -30,6 +30,7 @@ import json
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from redis.crc import key_slot
@@ -40,6 +41,8 @@ from broker_ext.keys import SHARD_MARK, QueueKeys, hash_tag
 #: Seconds between two reads of the stored layout by a client that follows it (``queue_shards`` unset
 #: for the queue): a layout stored later by another client is claimed from within this time.
 LAYOUT_RECHECK = 2.0
+
+T = TypeVar("T")
 
 #: Slot owners: for each slot, the name of the master that owns it (``host:port``).
 SlotOwners = Callable[[int], str]
@@ -70,6 +73,22 @@ class ShardLayout:
         except (ValueError, KeyError, TypeError):
             return None
         return cls(queue, tags) if tags and tags[0] == hash_tag(queue) else None
+
+
+def numbered(shards: Sequence[T], queue: str, shard: int) -> T:
+    """Shard ``shard`` of a queue's ``shards``; a number it does not have raises, never falls back.
+
+    A delivery names the shard it was claimed from: its ack, extend or
+    requeue sent to another shard would miss its lease. Changing n is refused
+    while messages are held, so this raising means the layout changed under a
+    live delivery: the delivery stays leased and is delivered again.
+    """
+    if not 0 <= shard < len(shards):
+        raise ConfigurationError(
+            f"queue {queue!r} has {len(shards)} shard(s) now, but a delivery names shard {shard}: its layout "
+            "changed while the delivery was held; it is left to its lease and delivered again"
+        )
+    return shards[shard]
 
 
 def unsharded(queue: str) -> ShardLayout:

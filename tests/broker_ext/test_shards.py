@@ -124,6 +124,16 @@ def test_publish_picks_the_shard_by_dedup_key_else_message_id_and_a_resend_meets
     assert queue.stats().ready == 7
 
 
+def test_a_shard_number_the_queue_does_not_have_is_refused_not_sent_to_shard_0(connect):
+    """An ack, extend or requeue names the shard its delivery came from; sent to another shard it would
+    miss the lease (and could look like a stale ack), so a number out of the layout raises."""
+    channel = connect(queue_shards=3).channel()
+    assert channel.shard_queue("hot", 2) is channel.fenced_queue("hot").shards[2]
+    for wrong in (3, -1):
+        with pytest.raises(ConfigurationError, match="names shard"):
+            channel.shard_queue("hot", wrong)
+
+
 def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_their_acks_extends_too(
     connect, where, request
 ):
