@@ -46,7 +46,6 @@ Reply: one integer per message:
 Errors (nothing written): "FENCED WRONGTYPE <key>: ...", "FENCED BADARG <what>".
 --]]
 --- @include "arg_int"
---- @include "guard"
 --- @include "server_time"
 --- @include "state"
 --- @include "publish_ids"
@@ -56,36 +55,98 @@ Errors (nothing written): "FENCED WRONGTYPE <key>: ...", "FENCED BADARG <what>".
 local bodies, state, ready, delayed, seq, done, wake_key, counters, dedups, acks =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local count = (#ARGV - 1) / 6
-if count < 1 or count ~= math.floor(count) or #KEYS ~= 10 + count then
+if count < 1 or count % 1 ~= 0 or #KEYS ~= 10 + count then
   error({err = 'FENCED BADARG publish needs 10 + n keys and 1 + 6n arguments'})
 end
 local ttl = arg_int(ARGV[1], 'queue ttl', 0, 1e12)
-local messages, ids = {}, {}
-for i = 1, count do
-  local base = 2 + 6 * (i - 1)
+-- Message i's arguments, checked: id, publish id, priority, delay ms, dedup window ms.
+local function message_args(i)
+  local base = 6 * i - 4
   local id, publish_id = ARGV[base], ARGV[base + 5]
   if id == '' or string.find(id, '\n', 1, true) then
     error({err = 'FENCED BADARG message ' .. i .. ': the id must be non-empty and hold no newline'})
   end
-  if #publish_id > 128 or not string.match(publish_id, '^[%w_.:@/+=%-]+$') then
+  if #publish_id > 128 or not string.find(publish_id, '^[%w_.:@/+=%-]+$') then
     error({err = 'FENCED BADARG message ' .. i .. ': the publish id must be 1-128 letters, digits or _.:@/+=-'})
   end
-  messages[i] = {
-    id = id, payload = ARGV[base + 1], publish_id = publish_id,
-    priority = arg_int(ARGV[base + 2], 'priority of message ' .. i, 0, 9),
-    delay = arg_int(ARGV[base + 3], 'delay ms of message ' .. i, 0, 1e12),
-    window = arg_int(ARGV[base + 4], 'dedup window ms of message ' .. i, 0, 1e12),
-    dedup = KEYS[10 + i], earlier = '',
-  }
+  return id, publish_id, arg_int(ARGV[base + 2], 'priority', 0, 9, i),
+    arg_int(ARGV[base + 3], 'delay ms', 0, 1e12, i), arg_int(ARGV[base + 4], 'dedup window ms', 0, 1e12, i)
+end
+
+-- What this call has written so far, and undo(), which takes it back newest first: call() runs every
+-- command that may meet a key of the wrong type and, when one fails, undoes and refuses. Flags, not a
+-- closure per write: the happy path only sets them.
+local messages, stored = {}, {}
+local counted, wrote_bodies, wrote_ready, wrote_delayed, pushed = nil, false, false, false, 0
+local function undo()
+  for _ = 1, pushed do redis.call('LPOP', dedups) end
+  for i = #stored, 1, -1 do
+    local m = stored[i]
+    if m.dedup_set then redis.call('DEL', m.dedup) end
+    if wrote_delayed and m.delay > 0 then redis.call('ZREM', delayed, m.stored_id) end
+    if wrote_ready and m.delay == 0 then redis.call('ZREM', ready, m.stored_id) end
+    if wrote_bodies then redis.call('HDEL', bodies, m.stored_id) end
+    if m.created_beside then redis.call('HDEL', state, m.stored_id) end
+    if m.live_before then redis.call('HSET', state, m.id, m.live_before) end
+  end
+  if counted then uncount(counters, counted) end
+  for i = #messages, 1, -1 do
+    if messages[i].new then redis.call('HDEL', state, messages[i].id) end
+  end
+end
+local function call(command, key, ...)
+  local reply = redis.pcall(command, key, ...)
+  if type(reply) == 'table' and reply.err then
+    undo()
+    local kind = string.find(reply.err, 'WRONGTYPE', 1, true) and 'WRONGTYPE' or 'REFUSED'
+    error({err = 'FENCED ' .. kind .. ' ' .. key .. ': ' .. reply.err})
+  end
+  return reply
+end
+
+-- The path of one new message without a dedup key (what .delay() sends), straight through: its id
+-- not acked within the done window, HSETNX writing its record (the first write), then the rest. Any
+-- other case, found before anything is written (an acked id, a live one: HSETNX writes nothing),
+-- takes the general path below, which reads again.
+if count == 1 then
+  local id, publish_id, priority, delay, window = message_args(1)
+  if window == 0 and not call('ZSCORE', done, id) then
+    local now_ms = server_time()
+    if call('HSETNX', state, id, '0|0|0|0|' .. priority .. '|' .. now_ms .. '|0||' .. publish_id) == 1 then
+      local m = {id = id, stored_id = id, delay = delay, new = true}
+      messages[1], stored[1] = m, m
+      local n = call('BITFIELD', counters, 'INCRBY', 'i64', '#0', 1, 'INCRBY', 'i64', '#1', 1)[1]
+      counted = {seq = 1, published = 1}
+      n = seq_after(n, 1, counters, seq)
+      call('HSET', bodies, id, ARGV[3])
+      wrote_bodies = true
+      if delay > 0 then
+        call('ZADD', delayed, now_ms + delay, id)
+      else
+        call('ZADD', ready, ready_score(priority, n, false), id)
+        wrote_ready = true
+        call('ZADD', wake_key, 0, WAKE_MEMBER)
+      end
+      if ttl > 0 then keep_expiry(ttl, {bodies, state, ready, delayed, done, wake_key, counters, dedups, acks}) end
+      return {1}
+    end
+  end
+end
+
+local ids = {}
+for i = 1, count do
+  local id, publish_id, priority, delay, window = message_args(i)
+  messages[i] = {id = id, payload = ARGV[6 * i - 3], publish_id = publish_id, earlier = '', dedup = KEYS[10 + i],
+                 priority = priority, delay = delay, window = window}
   ids[i] = id
 end
 
 -- Reads. An id acked within the window keeps its publish ids in `acks`: a resend is found there,
 -- and a new message of that id starts its own list with them.
-local acked = guarded(nil, 'ZMSCORE', done, unpack(ids))
+local acked = call('ZMSCORE', done, unpack(ids))
 for i, m in ipairs(messages) do
   if acked[i] then
-    m.earlier = string.match(guarded(nil, 'HGET', acks, m.id) or '', '^[^|]*|[^|]*|(.*)$') or ''
+    m.earlier = string.match(call('HGET', acks, m.id) or '', '^[^|]*|[^|]*|(.*)$') or ''
     m.known = publish_id_known(m.earlier, m.publish_id)
   end
 end
@@ -95,19 +156,19 @@ local now_ms = server_time()
 local function record_of(m)
   return '0|0|0|0|' .. m.priority .. '|' .. now_ms .. '|0||' .. publish_ids_with(m.earlier, m.publish_id)
 end
-local function forget_state(id)
-  return function(written) if written == 1 then redis.call('HDEL', state, id) end end
-end
-local stored, duplicates, deduplicated = {}, 0, 0
+local duplicates, deduplicated = 0, 0
 local replies = {}
 for i, m in ipairs(messages) do
   -- A message with a dedup key reads first: a held key must leave nothing written.
-  local live = nil
+  local live = false
   if not m.known then
-    live = m.window > 0 and guarded(nil, 'HGET', state, m.id)
-    if not live and not (m.window > 0 and guarded(nil, 'GET', m.dedup)) then
-      if guarded(forget_state(m.id), 'HSETNX', state, m.id, record_of(m)) == 0 then
-        live = guarded(nil, 'HGET', state, m.id)
+    if m.window > 0 then
+      live = call('HGET', state, m.id)
+      if not live then m.held = call('GET', m.dedup) end
+    end
+    if not live and not m.held then
+      if call('HSETNX', state, m.id, record_of(m)) == 0 then
+        live = call('HGET', state, m.id)
       else
         m.new = true
       end
@@ -127,22 +188,25 @@ for i, m in ipairs(messages) do
   else
     replies[i] = 4
     deduplicated = deduplicated + 1
-    m.deduplicated = true
   end
 end
 
--- The sequence numbers and the counts in one BITFIELD; a message stored beside a live one is named
--- after its number.
+-- The sequence numbers and the counts in one BITFIELD (when every message was stored: seq and
+-- published, slots #0 and #1 of lua/include/counters.lua); a message stored beside a live one is
+-- named after its number.
 local counts = {seq = #stored, published = #stored, duplicate_publishes = duplicates,
                 deduplicated_publishes = deduplicated}
-local counted = {}
-local args, names = counter_args('INCRBY', counts)
-if #names > 0 then
-  local values = guarded(function() uncount(counters, counts) end, 'BITFIELD', counters, unpack(args))
-  for i, name in ipairs(names) do counted[name] = values[i] end
+local last_seq = 0
+if #stored == count then
+  last_seq = call('BITFIELD', counters, 'INCRBY', 'i64', '#0', count, 'INCRBY', 'i64', '#1', count)[1]
+else
+  local args, names = counter_args('INCRBY', counts)
+  local values = call('BITFIELD', counters, unpack(args))
+  if names[1] == 'seq' then last_seq = values[1] end
 end
-local first = #stored > 0 and seq_after(counted.seq, #stored, counters, seq) or 0
-local fields, ready_entries, delayed_entries, made_ready = {}, {}, {}, {}
+counted = counts
+local first = #stored > 0 and seq_after(last_seq, #stored, counters, seq) or 0
+local fields, ready_entries, delayed_entries = {}, {}, {}
 for i, m in ipairs(stored) do
   local n = first + i - 1
   m.stored_id = m.id
@@ -154,9 +218,10 @@ for i, m in ipairs(stored) do
     local s = parse_state(raw)
     if s then
       s.publish_ids = publish_ids_with(s.publish_ids, m.publish_id .. suffix)
-      guarded(function() redis.call('HSET', state, m.id, raw) end, 'HSET', state, m.id, format_state(s))
+      call('HSET', state, m.id, format_state(s))
+      m.live_before = raw
     end
-    guarded(forget_state(m.stored_id), 'HSET', state, m.stored_id, record_of(m))
+    m.created_beside = call('HSET', state, m.stored_id, record_of(m)) == 1
   end
   fields[#fields + 1] = m.stored_id
   fields[#fields + 1] = m.payload
@@ -166,39 +231,40 @@ for i, m in ipairs(stored) do
   else
     ready_entries[#ready_entries + 1] = ready_score(m.priority, n, false)
     ready_entries[#ready_entries + 1] = m.stored_id
-    made_ready[#made_ready + 1] = m.stored_id
   end
 end
 
--- The writes, each undone if a later one fails.
-local function remover(command, key, members)
-  return function() if #members > 0 then redis.call(command, key, unpack(members)) end end
+-- The writes, in this order (undo() takes them back in the reverse one).
+if #fields > 0 then
+  call('HSET', bodies, unpack(fields))
+  wrote_bodies = true
 end
-local stored_ids = {}
-for i, m in ipairs(stored) do stored_ids[i] = m.stored_id end
-if #fields > 0 then guarded(remover('HDEL', bodies, stored_ids), 'HSET', bodies, unpack(fields)) end
-if #ready_entries > 0 then guarded(remover('ZREM', ready, made_ready), 'ZADD', ready, unpack(ready_entries)) end
+if #ready_entries > 0 then
+  call('ZADD', ready, unpack(ready_entries))
+  wrote_ready = true
+end
 if #delayed_entries > 0 then
-  guarded(remover('ZREM', delayed, stored_ids), 'ZADD', delayed, unpack(delayed_entries))
+  call('ZADD', delayed, unpack(delayed_entries))
+  wrote_delayed = true
 end
 for _, m in ipairs(stored) do
   if m.window > 0 then
-    local keep = ttl > 0 and math.min(m.window, ttl) or m.window
-    guarded(function() redis.call('DEL', m.dedup) end, 'SET', m.dedup, m.stored_id, 'PX', keep)
+    call('SET', m.dedup, m.stored_id, 'PX', ttl > 0 and math.min(m.window, ttl) or m.window)
+    m.dedup_set = true
   end
 end
-local logged = false
-for _, m in ipairs(messages) do
-  if m.deduplicated then
-    local entry = cjson.encode({key = m.dedup, id = m.id, kept = redis.call('GET', m.dedup), at_ms = now_ms})
-    guarded(function() redis.call('LPOP', dedups) end, 'LPUSH', dedups, entry)
-    logged = true
+if deduplicated > 0 then
+  local entries = {}
+  for i, m in ipairs(messages) do
+    if replies[i] == 4 then
+      entries[#entries + 1] = cjson.encode({key = m.dedup, id = m.id, kept = m.held, at_ms = now_ms})
+    end
   end
+  call('LPUSH', dedups, unpack(entries))
+  pushed = #entries
 end
-if #made_ready > 0 then
-  guarded(function(added) if added == 1 then redis.call('ZREM', wake_key, WAKE_MEMBER) end end,
-    'ZADD', wake_key, 0, WAKE_MEMBER)
-end
-if logged then redis.call('LTRIM', dedups, 0, 999) end
-keep_expiry(ttl, {bodies, state, ready, delayed, done, wake_key, counters, dedups, acks})
+-- The last write: nothing after it can fail, so it needs no undo.
+if #ready_entries > 0 then call('ZADD', wake_key, 0, WAKE_MEMBER) end
+if pushed > 0 then redis.call('LTRIM', dedups, 0, 999) end
+if ttl > 0 then keep_expiry(ttl, {bodies, state, ready, delayed, done, wake_key, counters, dedups, acks}) end
 return replies
