@@ -13,14 +13,18 @@ the queue's sequence), which the live message's record lists so that a resend
 of that publish finds it too. A message with a dedup key whose window is
 still open is reported DEDUPLICATED (the first message keeps the key).
 
-A single message costs 7 commands in here: the done window read, TIME,
+A single message costs 7 commands in here: the done window read (ZSCORE), TIME,
 HSETNX of its state (which also tells a live id apart), one BITFIELD for the
 sequence and the counters, the body, the ready entry and the wake-up marker.
+A single new message without a dedup key (what .delay() sends) takes a
+straight path with nothing else in it; any other case, found before anything
+is written, takes the general one, which a batch takes too.
 No key's type is checked up front: the first write (HSETNX state) fails
-before anything is written, and every later one goes through guarded(),
-which undoes the writes before it when it fails (lua/include/guard.lua), so
-a key of the wrong type is refused with FENCED WRONGTYPE and nothing
-written. No flags: at maxmemory Redis refuses it before it starts.
+before anything is written, and every later one goes through call(), which,
+when its command fails, undoes the writes before it (undo(), by what this
+call has written so far), so a key of the wrong type is refused with FENCED
+WRONGTYPE and nothing written. No flags: at maxmemory Redis refuses it
+before it starts.
 
 KEYS[1]  bodies   hash   id -> payload
 KEYS[2]  state    hash   id -> state record (see lua/include/state.lua)
@@ -47,8 +51,6 @@ Errors (nothing written): "FENCED WRONGTYPE <key>: ...", "FENCED BADARG <what>".
 --]]
 --- @include "arg_int"
 --- @include "server_time"
---- @include "state"
---- @include "publish_ids"
 --- @include "ready"
 --- @include "wake"
 --- @include "keep_expiry"
@@ -59,80 +61,103 @@ if count < 1 or count % 1 ~= 0 or #KEYS ~= 10 + count then
   error({err = 'FENCED BADARG publish needs 10 + n keys and 1 + 6n arguments'})
 end
 local ttl = arg_int(ARGV[1], 'queue ttl', 0, 1e12)
--- Message i's arguments, checked: id, publish id, priority, delay ms, dedup window ms.
+-- Message i's arguments, checked: id, publish id, priority, delay ms, dedup window ms (a "0", the
+-- common case, is taken without a call).
 local function message_args(i)
   local base = 6 * i - 4
-  local id, publish_id = ARGV[base], ARGV[base + 5]
+  local id, publish_id, priority, delay, window = ARGV[base], ARGV[base + 5], ARGV[base + 2], ARGV[base + 3],
+    ARGV[base + 4]
   if id == '' or string.find(id, '\n', 1, true) then
     error({err = 'FENCED BADARG message ' .. i .. ': the id must be non-empty and hold no newline'})
   end
   if #publish_id > 128 or not string.find(publish_id, '^[%w_.:@/+=%-]+$') then
     error({err = 'FENCED BADARG message ' .. i .. ': the publish id must be 1-128 letters, digits or _.:@/+=-'})
   end
-  return id, publish_id, arg_int(ARGV[base + 2], 'priority', 0, 9, i),
-    arg_int(ARGV[base + 3], 'delay ms', 0, 1e12, i), arg_int(ARGV[base + 4], 'dedup window ms', 0, 1e12, i)
+  return id, publish_id, priority == '0' and 0 or arg_int(priority, 'priority', 0, 9, i),
+    delay == '0' and 0 or arg_int(delay, 'delay ms', 0, 1e12, i),
+    window == '0' and 0 or arg_int(window, 'dedup window ms', 0, 1e12, i)
 end
 
--- What this call has written so far, and undo(), which takes it back newest first: call() runs every
--- command that may meet a key of the wrong type and, when one fails, undoes and refuses. Flags, not a
--- closure per write: the happy path only sets them.
+-- What this call has written so far, and undo(), which takes it back newest first; refuse(reply, key)
+-- undoes and refuses with the error a command answered, call() refuses when its command fails. The
+-- writes run in a fixed order, so one number says how far they got (`written`: 1 counted, 2 bodies,
+-- 3 ready, 4 delayed), with what each message wrote of its own on it (new: HSETNX of its record;
+-- beside: its record and the live one's before; dedup_set) and the dedup log entries `pushed`. Keys by
+-- KEYS[i], not their locals: every upvalue of a closure costs each call, the happy path included.
 local messages, stored = {}, {}
-local counted, wrote_bodies, wrote_ready, wrote_delayed, pushed = nil, false, false, false, 0
+local written, counted, pushed = 0, nil, 0
 local function undo()
-  for _ = 1, pushed do redis.call('LPOP', dedups) end
+  for _ = 1, pushed do redis.call('LPOP', KEYS[9]) end
   for i = #stored, 1, -1 do
     local m = stored[i]
     if m.dedup_set then redis.call('DEL', m.dedup) end
-    if wrote_delayed and m.delay > 0 then redis.call('ZREM', delayed, m.stored_id) end
-    if wrote_ready and m.delay == 0 then redis.call('ZREM', ready, m.stored_id) end
-    if wrote_bodies then redis.call('HDEL', bodies, m.stored_id) end
-    if m.created_beside then redis.call('HDEL', state, m.stored_id) end
-    if m.live_before then redis.call('HSET', state, m.id, m.live_before) end
+    if written >= 4 and m.delay > 0 then redis.call('ZREM', KEYS[4], m.stored_id) end
+    if written >= 3 and m.delay == 0 then redis.call('ZREM', KEYS[3], m.stored_id) end
+    if written >= 2 then redis.call('HDEL', KEYS[1], m.stored_id) end
+    if m.created_beside then redis.call('HDEL', KEYS[2], m.stored_id) end
+    if m.live_before then redis.call('HSET', KEYS[2], m.id, m.live_before) end
   end
-  if counted then uncount(counters, counted) end
+  if written >= 1 then uncount(KEYS[8], counted) end
   for i = #messages, 1, -1 do
-    if messages[i].new then redis.call('HDEL', state, messages[i].id) end
+    if messages[i].new then redis.call('HDEL', KEYS[2], messages[i].id) end
   end
+end
+local function refuse(reply, key)
+  undo()
+  local kind = string.find(reply.err, 'WRONGTYPE', 1, true) and 'WRONGTYPE' or 'REFUSED'
+  error({err = 'FENCED ' .. kind .. ' ' .. key .. ': ' .. reply.err})
 end
 local function call(command, key, ...)
   local reply = redis.pcall(command, key, ...)
-  if type(reply) == 'table' and reply.err then
-    undo()
-    local kind = string.find(reply.err, 'WRONGTYPE', 1, true) and 'WRONGTYPE' or 'REFUSED'
-    error({err = 'FENCED ' .. kind .. ' ' .. key .. ': ' .. reply.err})
-  end
+  if type(reply) == 'table' and reply.err then refuse(reply, key) end
   return reply
 end
 
 -- The path of one new message without a dedup key (what .delay() sends), straight through: its id
--- not acked within the done window, HSETNX writing its record (the first write), then the rest. Any
--- other case, found before anything is written (an acked id, a live one: HSETNX writes nothing),
--- takes the general path below, which reads again.
+-- not acked within the done window, HSETNX writing its record (the first write), then the rest, each
+-- reply checked where it comes (a table from a command that answers a number or a string is its
+-- error). Any other case, found before anything is written (an acked id, a live one: HSETNX writes
+-- nothing), takes the general path below, which reads again.
 if count == 1 then
   local id, publish_id, priority, delay, window = message_args(1)
-  if window == 0 and not call('ZSCORE', done, id) then
-    local now_ms = server_time()
-    if call('HSETNX', state, id, '0|0|0|0|' .. priority .. '|' .. now_ms .. '|0||' .. publish_id) == 1 then
-      local m = {id = id, stored_id = id, delay = delay, new = true}
-      messages[1], stored[1] = m, m
-      local n = call('BITFIELD', counters, 'INCRBY', 'i64', '#0', 1, 'INCRBY', 'i64', '#1', 1)[1]
-      counted = {seq = 1, published = 1}
-      n = seq_after(n, 1, counters, seq)
-      call('HSET', bodies, id, ARGV[3])
-      wrote_bodies = true
-      if delay > 0 then
-        call('ZADD', delayed, now_ms + delay, id)
-      else
-        call('ZADD', ready, ready_score(priority, n, false), id)
-        wrote_ready = true
-        call('ZADD', wake_key, 0, WAKE_MEMBER)
+  if window == 0 then
+    local reply = redis.pcall('ZSCORE', done, id)
+    if type(reply) == 'table' then refuse(reply, done) end
+    if not reply then
+      local now_ms = server_time()
+      -- The record's priority is its argument's text, checked canonical above.
+      reply = redis.pcall('HSETNX', state, id, '0|0|0|0|' .. ARGV[4] .. '|' .. now_ms .. '|0||' .. publish_id)
+      if type(reply) == 'table' then refuse(reply, state) end
+      if reply == 1 then
+        local m = {id = id, stored_id = id, delay = delay, new = true}
+        messages[1], stored[1] = m, m
+        reply = redis.pcall('BITFIELD', counters, 'INCRBY', 'i64', '#0', 1, 'INCRBY', 'i64', '#1', 1)
+        if reply.err then refuse(reply, counters) end
+        written, counted = 1, {seq = 1, published = 1}
+        local n = seq_after(reply[1], 1, counters, seq)
+        reply = redis.pcall('HSET', bodies, id, ARGV[3])
+        if type(reply) == 'table' then refuse(reply, bodies) end
+        written = 2
+        if delay > 0 then
+          reply = redis.pcall('ZADD', delayed, now_ms + delay, id)
+          if type(reply) == 'table' then refuse(reply, delayed) end
+        else
+          reply = redis.pcall('ZADD', ready, ready_score(priority, n, false), id)
+          if type(reply) == 'table' then refuse(reply, ready) end
+          written = 3
+          reply = redis.pcall('ZADD', wake_key, 0, WAKE_MEMBER)
+          if type(reply) == 'table' then refuse(reply, wake_key) end
+        end
+        if ttl > 0 then keep_expiry(ttl, {bodies, state, ready, delayed, done, wake_key, counters, dedups, acks}) end
+        return {1}
       end
-      if ttl > 0 then keep_expiry(ttl, {bodies, state, ready, delayed, done, wake_key, counters, dedups, acks}) end
-      return {1}
     end
   end
 end
 
+-- The general path: what it needs beyond the straight one is defined here, not paid for above it.
+--- @include "state"
+--- @include "publish_ids"
 local ids = {}
 for i = 1, count do
   local id, publish_id, priority, delay, window = message_args(i)
@@ -204,7 +229,7 @@ else
   local values = call('BITFIELD', counters, unpack(args))
   if names[1] == 'seq' then last_seq = values[1] end
 end
-counted = counts
+written, counted = 1, counts
 local first = #stored > 0 and seq_after(last_seq, #stored, counters, seq) or 0
 local fields, ready_entries, delayed_entries = {}, {}, {}
 for i, m in ipairs(stored) do
@@ -235,18 +260,12 @@ for i, m in ipairs(stored) do
 end
 
 -- The writes, in this order (undo() takes them back in the reverse one).
-if #fields > 0 then
-  call('HSET', bodies, unpack(fields))
-  wrote_bodies = true
-end
-if #ready_entries > 0 then
-  call('ZADD', ready, unpack(ready_entries))
-  wrote_ready = true
-end
-if #delayed_entries > 0 then
-  call('ZADD', delayed, unpack(delayed_entries))
-  wrote_delayed = true
-end
+if #fields > 0 then call('HSET', bodies, unpack(fields)) end
+written = 2
+if #ready_entries > 0 then call('ZADD', ready, unpack(ready_entries)) end
+written = 3
+if #delayed_entries > 0 then call('ZADD', delayed, unpack(delayed_entries)) end
+written = 4
 for _, m in ipairs(stored) do
   if m.window > 0 then
     call('SET', m.dedup, m.stored_id, 'PX', ttl > 0 and math.min(m.window, ttl) or m.window)
