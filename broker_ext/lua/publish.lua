@@ -81,9 +81,10 @@ end
 -- What this call has written so far, and undo(), which takes it back newest first; refuse(reply, key)
 -- undoes and refuses with the error a command answered, call() refuses when its command fails. The
 -- writes run in a fixed order, so one number says how far they got (`written`: 1 counted, 2 bodies,
--- 3 ready, 4 delayed), with what each message wrote of its own on it (new: HSETNX of its record;
--- beside: its record and the live one's before; dedup_set) and the dedup log entries `pushed`. Keys by
--- KEYS[i], not their locals: every upvalue of a closure costs each call, the happy path included.
+-- 3 ready, 4 delayed), `counted` what was counted (nil: the straight path's one message), each
+-- message what it wrote of its own (new: HSETNX of its record; beside: its record, and the live one's
+-- before it; dedup_set), `pushed` the dedup log's entries. Keys by KEYS[i], not their locals: every
+-- upvalue of a closure costs each call, the happy path included.
 local messages, stored = {}, {}
 local written, counted, pushed = 0, nil, 0
 local function undo()
@@ -97,7 +98,7 @@ local function undo()
     if m.created_beside then redis.call('HDEL', KEYS[2], m.stored_id) end
     if m.live_before then redis.call('HSET', KEYS[2], m.id, m.live_before) end
   end
-  if written >= 1 then uncount(KEYS[8], counted) end
+  if written >= 1 then uncount(KEYS[8], counted or {seq = 1, published = 1}) end
   for i = #messages, 1, -1 do
     if messages[i].new then redis.call('HDEL', KEYS[2], messages[i].id) end
   end
@@ -133,7 +134,7 @@ if count == 1 then
         messages[1], stored[1] = m, m
         reply = redis.pcall('BITFIELD', counters, 'INCRBY', 'i64', '#0', 1, 'INCRBY', 'i64', '#1', 1)
         if reply.err then refuse(reply, counters) end
-        written, counted = 1, {seq = 1, published = 1}
+        written = 1
         local n = seq_after(reply[1], 1, counters, seq)
         reply = redis.pcall('HSET', bodies, id, ARGV[3])
         if type(reply) == 'table' then refuse(reply, bodies) end
