@@ -60,7 +60,7 @@ local count = (#ARGV - 1) / 6
 if count < 1 or count % 1 ~= 0 or #KEYS ~= 10 + count then
   error({err = 'FENCED BADARG publish needs 10 + n keys and 1 + 6n arguments'})
 end
-local ttl = arg_int(ARGV[1], 'queue ttl', 0, 1e12)
+local ttl = ARGV[1] == '0' and 0 or arg_int(ARGV[1], 'queue ttl', 0, 1e12)
 -- Message i's arguments, checked: id, publish id, priority, delay ms, dedup window ms (a "0", the
 -- common case, is taken without a call).
 local function message_args(i)
