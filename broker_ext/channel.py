@@ -56,6 +56,8 @@ class Channel(Consuming, kombu_redis.Channel):
         options.check(self._given_options)
         self._more_ready: str | None = None
         self._polled_claim: PendingClaim | None = None
+        #: When each queue's next claim reclaims and promotes (monotonic), for a busy consumer's polls.
+        self._upkeep_due: dict[str, float] = {}
         super().__init__(connection, *args, **kwargs)
         self._queues: dict[str, FencedQueue] = {}
         self._no_ack_queues: set[str] = set()

@@ -32,7 +32,7 @@ from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
 from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import new_claim_id
-from broker_ext.records import Claimed, Delivery
+from broker_ext.records import Claimed, ClaimReply, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ Empty = kombu_redis.Empty
 
 @dataclass(frozen=True)
 class PendingClaim:
-    """A claim on its way, with the buffered acks that travel ahead of it in the same round trip."""
+    """A claim on its way, carrying the buffered acks of its queue; other queues' acks go ahead of it
+    in the same round trip."""
 
     queue: str
     count: int
@@ -107,21 +108,37 @@ class Consuming:
         return self._claimed_payloads(pending, results)
 
     def _claim_calls(self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool) -> PendingClaim:
-        """The buffered acks (taken from the QoS) and a claim, as calls for one round trip."""
+        """The buffered acks (taken from the QoS) and a claim carrying those of ``queue``: one round trip.
+
+        A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
+        and promotes only every ``upkeep_interval``; any other claim does.
+        """
         if no_ack is None:
             no_ack = queue in self._no_ack_queues
-        claim = self.fenced_queue(queue).claim_call(count, no_ack=no_ack, wake_next=wake_next)
-        return PendingClaim(queue, count, self.qos.pending_acks(), claim)
+        now = kombu_redis.monotonic()
+        upkeep = wake_next or now >= self._upkeep_due.get(queue, 0.0)
+        if upkeep:
+            self._upkeep_due[queue] = now + self.settings.upkeep_interval
+        acks = self.qos.pending_acks(carried_by=queue)
+        claim = self.fenced_queue(queue).acking_claim_call(
+            acks.carried_deliveries, count, no_ack=no_ack, wake_next=wake_next, upkeep=upkeep
+        )
+        return PendingClaim(queue, count, acks, claim)
 
     def _claimed_payloads(self, pending: PendingClaim, results: list) -> list[dict]:
         """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full."""
-        *ack_replies, claimed = results
-        self.qos.settle_acks(pending.acks, ack_replies)
-        if isinstance(claimed, ScriptRefused):
-            logger.error("claim on %r refused; the queue's keys need an operator: %s", pending.queue, claimed)
+        *ack_replies, reply = results
+        if isinstance(reply, ClaimReply):
+            self.qos.settle_acks(pending.acks, ack_replies, reply.acked)
+            claimed = reply.claimed
+        elif isinstance(reply, ScriptRefused):
+            self.qos.settle_acks(pending.acks, ack_replies, reply)  # refused as a whole: its acks too
+            logger.error("claim on %r refused; the queue's keys need an operator: %s", pending.queue, reply)
             claimed = []
-        elif isinstance(claimed, Exception):
-            raise claimed
+        else:
+            # Redis unavailable, or an error: its acks are sent again later (a resent ack is ALREADY_ACKED).
+            self.qos.settle_acks(pending.acks, ack_replies, NOT_RUN)
+            raise reply
         # A full claim means more may be waiting: the next poll claims directly instead of blocking.
         self._more_ready = pending.queue if len(claimed) >= pending.count else None
         return [payload for payload in map(self._payload_of, claimed) if payload is not None]
@@ -237,7 +254,7 @@ class Consuming:
             self.qos.buffer_acks(pending.acks.deliveries)
             raise
         if results[-1] is NOT_RUN:
-            self.qos.settle_acks(pending.acks, results[:-1])
+            self.qos.settle_acks(pending.acks, results[:-1], NOT_RUN)
             raise Empty()  # _more_ready is unchanged: the next poll claims again
         payloads = self._claimed_payloads(pending, results)
         if self._closing:

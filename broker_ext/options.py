@@ -63,6 +63,14 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         derived="min(lease_timeout / 2, 5 s)",
     ),
     Option(
+        "upkeep_interval",
+        0.1,
+        "s",
+        "how often a busy consumer's claims also reclaim expired leases and promote due delayed "
+        "messages (an idle consumer's claims always do)",
+        kind="non_negative",
+    ),
+    Option(
         "max_deliveries",
         5,
         "",
@@ -237,6 +245,7 @@ class TransportSettings:
     ack_flush_interval: float
     ack_batch_size: int
     binding_cache_ttl: float = 0.0
+    upkeep_interval: float = 0.1
     queue: QueueOptions = field(default_factory=QueueOptions)
 
 
@@ -300,6 +309,7 @@ def resolve(values: Callable[[str], Any]) -> TransportSettings:
         ack_flush_interval=float(values("ack_flush_interval")),
         ack_batch_size=int(values("ack_batch_size")),
         binding_cache_ttl=float(values("binding_cache_ttl")),
+        upkeep_interval=float(values("upkeep_interval")),
         queue=QueueOptions(
             lease_ms=int(lease * 1000),
             max_deliveries=int(values("max_deliveries")),

@@ -9,7 +9,8 @@ deliveries back.
 Acks are batched, as Kombu's own QoS writes its acks but one round trip at a
 time: an ack frees the prefetch slot at once and is buffered; the buffer
 travels with the consumer's next claim (:meth:`pending_acks`, read back by
-:meth:`settle_acks`, one round trip for both), or is sent by the lease keeper
+:meth:`settle_acks`, one round trip for both; the acks of the claimed queue
+inside the claim's own script call), or is sent by the lease keeper
 after ``ack_flush_interval`` (:meth:`flush_acks`), or at once when
 ``ack_batch_size`` acks are waiting. A worker killed in between has those
 messages delivered again, which is at-least-once delivery as promised;
@@ -46,14 +47,26 @@ def by_queue(deliveries: Iterable[Delivery]) -> dict[str, list[Delivery]]:
 
 @dataclass(frozen=True)
 class PendingAcks:
-    """Buffered acks taken out of the buffer, as one ack call per queue, on their way to Redis."""
+    """Buffered acks taken out of the buffer, on their way to Redis: the acks of ``carried`` travel
+    inside that queue's claim (one script call for both), every other queue's in an ack call of its own.
+    """
 
     groups: dict[str, list[Delivery]]
     calls: list[ScriptCall]
+    carried: str | None = None
 
     @property
     def deliveries(self) -> list[Delivery]:
         return [delivery for group in self.groups.values() for delivery in group]
+
+    @property
+    def carried_deliveries(self) -> list[Delivery]:
+        return self.groups[self.carried] if self.carried is not None else []
+
+    @property
+    def sent_apart(self) -> dict[str, list[Delivery]]:
+        """The groups that have an ack call of their own (in the order of :attr:`calls`)."""
+        return {queue: group for queue, group in self.groups.items() if queue != self.carried}
 
 
 class FencedQoS(virtual.QoS):
@@ -162,30 +175,45 @@ class FencedQoS(virtual.QoS):
         with self._lock:
             return len(self._unsent_acks)
 
-    def pending_acks(self) -> PendingAcks:
-        """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`)."""
+    def pending_acks(self, carried_by: str | None = None) -> PendingAcks:
+        """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`).
+
+        ``carried_by``: the queue a claim is about to be sent to; its acks go
+        inside that claim's script call, not in a call of their own.
+        """
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
         groups = by_queue(acks)
-        calls = [self.channel.fenced_queue(queue).ack_call(group) for queue, group in groups.items()]
-        return PendingAcks(groups, calls)
+        carried = carried_by if carried_by in groups else None
+        calls = [
+            self.channel.fenced_queue(queue).ack_call(group)
+            for queue, group in groups.items()
+            if queue != carried
+        ]
+        return PendingAcks(groups, calls, carried)
 
-    def settle_acks(self, pending: PendingAcks, replies: list) -> None:
-        """Read the replies of sent acks: log refusals, and buffer again what did not run."""
-        for (queue, group), reply in zip(pending.groups.items(), replies, strict=True):
-            if reply is NOT_RUN:
-                self.buffer_acks(group)
-            elif isinstance(reply, Exception):
-                # The messages stay leased; they are reclaimed and delivered again after the lease.
-                logger.error("acks of %d messages on %r failed: %r", len(group), queue, reply)
-            else:
-                for delivery, answer in zip(group, reply, strict=True):
-                    if answer is Reply.STALE:
-                        logger.warning(
-                            "ack of %s on %r refused: another delivery is the current one",
-                            delivery.message_id,
-                            queue,
-                        )
+    def settle_acks(self, pending: PendingAcks, replies: list, carried_reply=None) -> None:
+        """Read the replies of sent acks (``carried_reply``: the acks a claim carried): log refusals,
+        and buffer again what did not run."""
+        for (queue, group), reply in zip(pending.sent_apart.items(), replies, strict=True):
+            self._settle(queue, group, reply)
+        if pending.carried is not None:
+            self._settle(pending.carried, pending.carried_deliveries, carried_reply)
+
+    def _settle(self, queue: str, group: list[Delivery], reply) -> None:
+        if reply is NOT_RUN:
+            self.buffer_acks(group)
+        elif isinstance(reply, Exception):
+            # The messages stay leased; they are reclaimed and delivered again after the lease.
+            logger.error("acks of %d messages on %r failed: %r", len(group), queue, reply)
+        else:
+            for delivery, answer in zip(group, reply, strict=True):
+                if answer is Reply.STALE:
+                    logger.warning(
+                        "ack of %s on %r refused: another delivery is the current one",
+                        delivery.message_id,
+                        queue,
+                    )
 
     def flush_acks(self) -> None:
         """Send every buffered ack now (from any thread); on a lost connection they stay buffered."""

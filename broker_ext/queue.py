@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import redis
 
@@ -24,6 +25,7 @@ from broker_ext.options import QueueOptions
 from broker_ext.records import (
     AdoptedMessage,
     Claimed,
+    ClaimReply,
     DeadLetter,
     DedupEntry,
     Delivery,
@@ -172,13 +174,41 @@ class FencedQueue:
     # -- consume -------------------------------------------------------------------------
 
     def claim_call(
-        self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
+        self,
+        count: int = 1,
+        *,
+        no_ack: bool = False,
+        claim_id: str | None = None,
+        wake_next: bool = True,
+        upkeep: bool = True,
     ) -> ScriptCall:
         """A claim of up to ``count`` messages; a resent call with the same ``claim_id`` answers the same.
 
         ``wake_next``: while messages remain ready, set the queue's wake-up
         marker for the next idle consumer (a busy consumer that claims again
-        at once passes ``False``).
+        at once passes ``False``). ``upkeep``: reclaim expired leases and
+        promote due delayed messages first (a busy consumer does it every
+        ``upkeep_interval``, not on every claim).
+        """
+        call = self.acking_claim_call(
+            (), count, no_ack=no_ack, claim_id=claim_id, wake_next=wake_next, upkeep=upkeep
+        )
+        return replace(call, decode=lambda reply: call.decode(reply).claimed)
+
+    def acking_claim_call(
+        self,
+        acks: Sequence[Delivery],
+        count: int = 1,
+        *,
+        no_ack: bool = False,
+        claim_id: str | None = None,
+        wake_next: bool = True,
+        upkeep: bool = True,
+    ) -> ScriptCall:
+        """Ack ``acks`` (deliveries of this queue), then claim: one script call, read as a ``ClaimReply``.
+
+        The acks are done first and as :meth:`ack` does them (same replies); a
+        message acked here is never claimed by the same call.
         """
         claim_id = claim_id or new_claim_id()
         o = self.options
@@ -188,32 +218,46 @@ class FencedQueue:
             claim_id,
             o.claim_request_ttl_ms,
             int(no_ack),
-            o.promote_limit,
+            o.promote_limit if upkeep else 0,
             o.max_deliveries,
             o.max_interruptions,
-            o.reclaim_limit,
+            o.reclaim_limit if upkeep else 0,
             o.ttl_ms,
             int(wake_next),
+            o.done_window_ms,
+            *_triples(acks),
         ]
 
-        def decode(reply: list) -> list[Claimed]:
-            flat, dead = reply
+        def decode(reply: list) -> ClaimReply:
+            flat, dead, acked = reply
             self._announce(_reasons(dead))
-            return [
+            claimed = [
                 Claimed(
                     Delivery(self.name, _text(flat[i]), int(flat[i + 1]), int(flat[i + 2]), claim_id),
                     flat[i + 3],
                 )
                 for i in range(0, len(flat), 4)
             ]
+            return ClaimReply(_replies(acked), claimed)
 
         return self._call("claim", args, decode, request=self.keys.claim_request(claim_id))
 
     def claim(
-        self, count: int = 1, *, no_ack: bool = False, claim_id: str | None = None, wake_next: bool = True
+        self,
+        count: int = 1,
+        *,
+        no_ack: bool = False,
+        claim_id: str | None = None,
+        wake_next: bool = True,
+        upkeep: bool = True,
     ) -> list[Claimed]:
         """Lease up to ``count`` ready messages (reclaiming expired leases and promoting due delays first)."""
-        return self.run(self.claim_call(count, no_ack=no_ack, claim_id=claim_id, wake_next=wake_next))
+        call = self.claim_call(count, no_ack=no_ack, claim_id=claim_id, wake_next=wake_next, upkeep=upkeep)
+        return self.run(call)
+
+    def ack_and_claim(self, acks: Sequence[Delivery], count: int = 1, **kwargs) -> ClaimReply:
+        """Ack ``acks``, then lease up to ``count`` ready messages, in one atomic step."""
+        return self.run(self.acking_claim_call(acks, count, **kwargs))
 
     def ack_call(self, deliveries: Sequence[Delivery]) -> ScriptCall:
         return self._call("ack", [self.options.done_window_ms, self.options.ttl_ms, *_triples(deliveries)])

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from broker_ext.errors import Reply
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -34,6 +36,14 @@ class Claimed:
 
     delivery: Delivery
     payload: bytes
+
+
+@dataclass(frozen=True)
+class ClaimReply:
+    """What a claim that carried acks answers: one reply per ack, in order, then what it claimed."""
+
+    acked: list[Reply]
+    claimed: list[Claimed]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,8 @@ SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
         "reasons",
         "wake",
         "reclaims",
+        "done",
+        "acks",
     ),
     "ack": ("leases", "state", "bodies", "done", "acks", "ready", "delayed", "counters"),
     "extend": ("leases", "state", "ready", "delayed"),

@@ -16,7 +16,6 @@ every admin page at this size.
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 import uuid
@@ -34,6 +33,7 @@ from broker_ext.options import QueueOptions
 from broker_ext.queue import FencedQueue
 from broker_ext.records import Delivery, OutgoingMessage
 from broker_ext.scripts import register
+from lab.task_messages import envelope
 from queueapp import series
 from queueapp.models import OperatorAction, TaskDelivery, TaskOutcome
 
@@ -69,24 +69,11 @@ class Seeded:
 
 def _payload(task: str, task_id: str, args: list, queue: str, eta: datetime | None) -> str:
     """A Celery task message as the fenced transport stores it (Kombu envelope, body base64 JSON)."""
-    body = json.dumps([args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])
+    body = [args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
     headers = {"lang": "py", "task": task, "id": task_id, "retries": 0, "argsrepr": repr(tuple(args))}
     if eta is not None:
         headers["eta"] = eta.isoformat()
-    return json.dumps(
-        {
-            "body": base64.b64encode(body.encode()).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": headers,
-            "properties": {
-                "delivery_info": {"exchange": "", "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": str(uuid.uuid4()),
-            },
-        }
-    )
+    return json.dumps(envelope(body, headers, queue=queue))
 
 
 class _Seeder:

@@ -4,8 +4,9 @@ A delivery goes down once:
 
 1. :func:`run` reads it from Celery's request and keys it by the task's
    arguments. A message that cannot be read as it is (a malformed header, a
-   key the decorator refuses) is rejected without requeue, with the reason,
-   which the broker keeps as its dead-letter reason.
+   key the decorator refuses, a value its records could not store) is
+   rejected without requeue, with the reason, which the broker keeps as its
+   dead-letter reason.
 2. The cache may say the key already succeeded: a suppressed duplicate, no
    database.
 3. :func:`_deliver` checks or claims the key (:class:`~queueapp.records.Records`),
@@ -149,12 +150,15 @@ def cache_cannot_know(key: str, delivery: DeliveryInfo) -> bool:
 
 
 def _execute(task, key: str, body: Callable[[], Any], args: list, kwargs: dict, delivery: DeliveryInfo):
+    records = Records()
+    unstorable = records.unstorable(key, delivery)
+    if unstorable is not None:
+        raise MalformedDelivery(f"task message {delivery.task_id!r:.80} of {task.name}: {unstorable}")
     uncached = cache_cannot_know(key, delivery)
     cached = None if uncached else cache.succeeded(key)
     if cached is not None:
         _audit_cached_duplicate(task, key, delivery)
         return cached.result
-    records = Records()
     step = _Delivery(task, key, body, args, kwargs, delivery, records, cache_success=not uncached)
     try:  # Asking whether the claim may wait for the success connects to the database.
         claim_first = conf.get("RECORD_RUNNING") or not records.holds_claims(delivery)

@@ -96,5 +96,57 @@ def redis_cluster() -> Iterator[RedisCluster]:
     cluster.cleanup()
 
 
+#: Fixtures that make a test's database changes committed, then emptied at its end (not rolled back).
+_TRANSACTIONAL = (
+    "transactional_db",
+    "live_server",
+    "django_db_reset_sequences",
+    "django_db_serialized_rollback",
+)
+
+
+def _rolled_back(request: pytest.FixtureRequest) -> bool | None:
+    """Whether the test's database changes are rolled back at its end; ``None`` when it has no database."""
+    marker = request.node.get_closest_marker("django_db")
+    if (
+        marker is None
+        and "db" not in request.fixturenames
+        and not set(_TRANSACTIONAL) & set(request.fixturenames)
+    ):
+        return None
+    transaction = marker is not None and bool(
+        marker.kwargs.get("transaction", marker.args[0] if marker.args else False)
+    )
+    return not (transaction or set(_TRANSACTIONAL) & set(request.fixturenames))
+
+
+@pytest.fixture(autouse=True)
+def queued_records_stay_in_their_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The *queued* records of a test's publishes are written inside it, never into the next test.
+
+    They are written by a thread on its own connection: in a test whose
+    changes are rolled back at its end, they would be committed outside its
+    transaction and outlive it, so its publishes write them themselves
+    (``QUEUED_WRITE_DELAY`` 0: in the test's transaction). Any other test's
+    are written before its database is emptied.
+    """
+    rolled_back = _rolled_back(request)
+    if rolled_back:
+        settings = request.getfixturevalue("settings")
+        settings.QUEUEAPP = {**settings.QUEUEAPP, "QUEUED_WRITE_DELAY": 0}
+    yield
+    from queueapp import queued
+
+    if rolled_back and queued.pending():
+        queued.flush(10.0)  # Not to leave them to the next test's end too.
+        pytest.fail(
+            "the test buffered queued records (a QUEUED_WRITE_DELAY of its own?): they outlive its rollback"
+        )
+    elif queued.pending() and not queued.flush(10.0) and rolled_back is not None:
+        pytest.fail(
+            f"{queued.pending()} queued records of this test not written before its database is emptied"
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("QUEUEAPP_VAR_DIR", str(config.rootpath / "var" / "test"))

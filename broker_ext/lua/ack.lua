@@ -10,6 +10,13 @@ the refusing caller logs it). For the done window, the broker remembers which
 delivery acked each message, so that a resent ack of that delivery is
 ALREADY_ACKED while a late ack of another delivery of it is STALE.
 
+The same acks travel in a consumer's next claim (claim.lua); both take them
+from lua/include/finish.lua. One ack, the common call, checks no key's type up
+front (a TYPE each): its reads come first and its writes refuse a key of the
+wrong type with nothing written (lua/include/guard.lua); several acks in one
+call check their keys' types once (TYPE). Acked ids older than the done window
+are forgotten every 32 acks of the queue, a bounded number each time.
+
 KEYS[1] leases   zset
 KEYS[2] state    hash
 KEYS[3] bodies   hash
@@ -29,76 +36,33 @@ Reply: one integer per triple:
    2 ALREADY_ACKED  this delivery acked it before (a resent ack)
   -1 NOT_FOUND      no such message (or acked longer ago than the done window)
   -2 STALE          another delivery is (or was) the current one: nothing written
-Errors (nothing written): "FENCED WRONGTYPE <key>", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
+Errors (nothing written): "FENCED WRONGTYPE <key>: ...", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
---- @include "check_types"
+--- @include "guard"
 --- @include "arg_int"
 --- @include "server_time"
---- @include "state"
---- @include "counters"
+--- @include "finish"
 --- @include "keep_expiry"
 local leases, state, bodies, done, acks, ready, delayed, counters =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 if #KEYS ~= 8 or #ARGV < 5 or (#ARGV - 2) % 3 ~= 0 then
   error({err = 'FENCED BADARG ack needs 8 keys, a window, a ttl and id/token/claim triples'})
 end
-local window = arg_int(ARGV[1], 'done window', 0, 1e12)
+local k = {leases = leases, state = state, bodies = bodies, done = done, acks = acks, ready = ready,
+           delayed = delayed, window = arg_int(ARGV[1], 'done window', 0, 1e12)}
 local ttl = arg_int(ARGV[2], 'queue ttl', 0, 1e12)
-check_types({{leases, 'zset'}, {state, 'hash'}, {bodies, 'hash'}, {done, 'zset'}, {acks, 'hash'},
-             {ready, 'zset'}, {delayed, 'zset'}, {counters, 'string'}})
 
--- Read and check every message before the first write.
-local found = {}
-for i = 3, #ARGV, 3 do
-  local raw = redis.call('HGET', state, ARGV[i])
-  if raw then
-    found[i] = parse_state(raw)
-    if not found[i] then error({err = 'FENCED CORRUPT ' .. ARGV[i]}) end
-  else
-    found[i] = false
-  end
-end
-
+-- Read and decide every ack before the first write.
+local plan = finish_read(k, ARGV, 3)
+if #plan.current == 0 then return plan.replies end
 local now_ms = server_time()
-local replies, acked = {}, 0
-for i = 3, #ARGV, 3 do
-  local id, token, claim = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local s = found[i]
-  if not s then
-    local by = redis.call('HGET', acks, id)
-    if not by then
-      replies[#replies + 1] = -1
-    elseif string.match(by, '^[^|]*|[^|]*') == token .. '|' .. claim then
-      replies[#replies + 1] = 2
-    else
-      replies[#replies + 1] = -2
-    end
-  elseif string.format('%.0f', s.token) ~= token or s.claim ~= claim then
-    replies[#replies + 1] = -2
-  else
-    redis.call('ZREM', leases, id)
-    redis.call('ZREM', ready, id)
-    redis.call('ZREM', delayed, id)
-    redis.call('HDEL', state, id)
-    redis.call('HDEL', bodies, id)
-    if window > 0 then
-      redis.call('ZADD', done, now_ms, id)
-      redis.call('HSET', acks, id, token .. '|' .. claim .. '|' .. s.publish_ids)
-    end
-    replies[#replies + 1] = 1
-    acked = acked + 1
-  end
-end
-if acked > 0 then
-  if window > 0 then
-    -- Forget acks older than the window, a bounded number per call.
-    local old = redis.call('ZRANGE', done, '-inf', now_ms - window, 'BYSCORE', 'LIMIT', 0, 2 * acked + 10)
-    if #old > 0 then
-      redis.call('ZREM', done, unpack(old))
-      redis.call('HDEL', acks, unpack(old))
-    end
-    keep_expiry(ttl, {done, acks})
-  end
-  add_counts(counters, {acked = acked})
-end
-return replies
+if not plan.checked then guarded(nil, 'HLEN', bodies) end
+
+-- The writes whose keys may still be of the wrong type (each undone exactly on a refusal), leases last.
+local totals = add_counts_guarded(counters, {acked = #plan.current})
+finish_records(k, plan, now_ms)
+finish_unlease(k, plan)
+finish_write(k, plan)
+finish_prune(k, now_ms, totals.acked, #plan.current)
+if k.window > 0 then keep_expiry(ttl, {done, acks}) end
+return plan.replies

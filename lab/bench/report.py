@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from lab.bench import cost_level
 from lab.bench.core import BULLMQ, DRAMATIQ, FENCED, STOCK, BenchRun, Measurement
 
 LEVEL_TITLES = {
@@ -28,6 +29,7 @@ LEVEL_TITLES = {
         "BullMQ level (Node.js harness on the same Redis; Redis CPU from INFO cpu, main thread;"
         " commands from INFO commandstats, script-internal commands included)"
     ),
+    "cost": cost_level.TITLE,
     "redis": (
         "Redis load (ops counted by INFO commandstats, script-internal commands included;"
         " CPU per message from INFO cpu, main thread)"
@@ -207,6 +209,7 @@ TARGETS = (
         1.5,
         _across(("bullmq.per_core.batched", FENCED), ("bullmq.per_core.batched", BULLMQ)),
     ),
+    *(Target(**target) for target in cost_level.TARGETS),
 )
 
 

@@ -120,9 +120,9 @@ class Topology(ABC):
     def client(self) -> redis.Redis:
         """A direct client for observing and injecting (never through the proxy)."""
 
-    @abstractmethod
     def queues(self, count: int) -> list[str]:
-        """``count`` queue names for the workload (spread over slots where that means something)."""
+        """``count`` queue names for the workload (a cluster spreads them over its masters)."""
+        return [f"faultlab.q{index}" for index in range(count)]
 
     def broker_url(self, scheme: str, address: tuple[str, int]) -> str:
         """The Celery broker URL (``fenced`` or ``redis`` scheme) through ``address``."""
@@ -201,9 +201,6 @@ class SingleRedis(Topology):
 
     def client(self) -> redis.Redis:
         return self.server.client(socket_timeout=10)
-
-    def queues(self, count: int) -> list[str]:
-        return [f"faultlab.q{index}" for index in range(count)]
 
     def pause(self) -> None:
         self.server.pause()
@@ -358,9 +355,6 @@ class SentinelRedis(Topology):
         sentinels = Sentinel(self.group.sentinel_addresses(), socket_timeout=2)
         return sentinels.master_for(self.master_name, socket_timeout=10)
 
-    def queues(self, count: int) -> list[str]:
-        return [f"faultlab.q{index}" for index in range(count)]
-
     def master_of(self, queue: str) -> RedisServer:
         return self.group.master()
 
@@ -423,9 +417,6 @@ class NetemRedis(Topology):
 
     def client(self) -> redis.Redis:
         return self.server.client(socket_timeout=10)
-
-    def queues(self, count: int) -> list[str]:
-        return [f"faultlab.q{index}" for index in range(count)]
 
     def worker_env(self) -> dict[str, str]:
         """The workers' URLs go through the lossy network (the lab's own go over its clean link)."""

@@ -12,7 +12,6 @@ fenced:// it is a no-op.
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 import time
@@ -27,6 +26,7 @@ from broker_ext.messages import PUBLISH_ID, derived_publish_id
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from lab.faultlab.history import PublishedTask
+from lab.task_messages import task_envelope
 
 TASK_NAMES = {"fenced": "lab.fenced_effect", "stock": "lab.stock_effect"}
 UNKNOWN_TASK = "lab.no_such_task"
@@ -181,30 +181,6 @@ class Publisher:
             return tuple(self._published)
 
 
-def envelope(
-    app, *, task_name: str, task_id: str, args: list, queue: str, headers: dict | None = None
-) -> str:
-    """A Celery task message exactly as Kombu stores it in Redis (JSON, base64 body)."""
-    message = app.amqp.as_task_v2(task_id, task_name, args, {})
-    body = json.dumps(list(message.body)).encode()
-    return json.dumps(
-        {
-            "body": base64.b64encode(body).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {**message.headers, **(headers or {})},
-            "properties": {
-                **message.properties,
-                "body_encoding": "base64",
-                "delivery_mode": 2,
-                "priority": 0,
-                "delivery_info": {"exchange": "", "routing_key": queue},
-                "delivery_tag": task_id,
-            },
-        }
-    )
-
-
 def inject_malformed(
     app, client, publisher: Publisher, *, queue: str, index: int, oversize: int
 ) -> list[PublishedTask]:
@@ -221,17 +197,23 @@ def inject_malformed(
         if kind == "bad-json":
             payload = json.dumps({"faultlab": task_id})[:-1] + ", this is not JSON"
         elif kind == "unknown-task":
-            payload = envelope(
-                app, task_name=UNKNOWN_TASK, task_id=task_id, args=[publisher.run, label], queue=queue
-            )
+            payload = json.dumps(
+                task_envelope(
+                    app, task_name=UNKNOWN_TASK, task_id=task_id, args=[publisher.run, label], queue=queue,
+                    properties={"delivery_tag": task_id},
+                )
+            )  # fmt: skip
         else:
-            payload = envelope(
-                app,
-                task_name=publisher.task_name,
-                task_id=task_id,
-                args=[publisher.run, label],
-                queue=queue,
-                headers={"faultlab_padding": "x" * oversize},
+            payload = json.dumps(
+                task_envelope(
+                    app,
+                    task_name=publisher.task_name,
+                    task_id=task_id,
+                    args=[publisher.run, label],
+                    queue=queue,
+                    headers={"faultlab_padding": "x" * oversize},
+                    properties={"delivery_tag": task_id},
+                )
             )
         if publisher.broker == "fenced":
             FencedQueue(client, queue).publish([OutgoingMessage(f"{task_id}.0", payload)])

@@ -25,6 +25,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from broker_ext.messages import PUBLISH_ID
+from lab.task_messages import task_envelope
 
 #: The exactly-once task every example is (or pretends to be) a call of.
 TASK = "lab.fenced_effect"
@@ -237,23 +238,15 @@ def draw_specs(count: int, seed: int) -> list[Spec]:
 
 def valid_envelope(app, *, run: str, label: str, task_id: str, queue: str) -> dict:
     """The message Celery publishes for ``lab.fenced_effect(run, label)``, as Kombu stores it."""
-    message = app.amqp.as_task_v2(task_id, TASK, [run, label], {})
-    body = json.dumps(list(message.body)).encode()
-    return {
-        "body": base64.b64encode(body).decode(),
-        "content-encoding": "utf-8",
-        "content-type": "application/json",
-        "headers": dict(message.headers),
-        "properties": {
-            **message.properties,
-            "body_encoding": "base64",
-            "delivery_mode": 2,
-            "priority": 0,
-            "delivery_info": {"exchange": "", "routing_key": queue},
-            "delivery_tag": str(uuid.uuid4()),
-            PUBLISH_ID: uuid.uuid4().hex,  # What publish_id_of() would set; a resend reuses it.
-        },
-    }
+    # The publish id is what publish_id_of() would set; a resend reuses it.
+    return task_envelope(
+        app,
+        task_name=TASK,
+        task_id=task_id,
+        args=[run, label],
+        queue=queue,
+        properties={PUBLISH_ID: uuid.uuid4().hex},
+    )
 
 
 def _body(kind: str, run: str, label: str) -> bytes | object:

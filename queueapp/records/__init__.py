@@ -157,6 +157,29 @@ class Records:
 
     # -- the key claim -----------------------------------------------------------------------------------
 
+    def unstorable(self, key: str, delivery: DeliveryInfo) -> str | None:
+        """What of a delivery its records could not store, named; ``None`` when all of it fits.
+
+        Asked before the key is checked or claimed: a header the producer
+        chose (a ``retries`` beyond the column's integers, an ``id`` with a
+        NUL) would make every write of the delivery, its verdict's too, fail
+        the same way at every delivery.
+        """
+        for name, value, column in (
+            ("idempotency key", key, _KEY_COLUMN),
+            ("header id", delivery.task_id, _LOG_COLUMNS["task_id"]),
+            ("header retries", delivery.retries, _LOG_COLUMNS["retries"]),
+            ("message id", delivery.message_id, _LOG_COLUMNS["message_id"]),
+            ("queue", delivery.queue, _LOG_COLUMNS["queue"]),
+            ("worker", delivery.worker, _LOG_COLUMNS["worker"]),
+            ("fencing token", delivery.token, _LOG_COLUMNS["fence_token"]),
+            ("delivery count", delivery.delivery_count, _LOG_COLUMNS["delivery_count"]),
+        ):
+            problem = self.dialect.unstorable(column, value)
+            if problem is not None:
+                return f"{name} {value!r:.80} {problem}"
+        return None
+
     def holds_claims(self, delivery: DeliveryInfo) -> bool:
         """Whether this delivery's claim may wait for its success, in the body's transaction.
 
@@ -418,6 +441,13 @@ class Records:
         with self.dialect.cursor(op) as cursor:
             return _execute(cursor, op, values)
 
+
+#: The columns a delivery's values are written to (each also in the outcome row, of the same type).
+_KEY_COLUMN = TaskOutcome._meta.get_field("idempotency_key")
+_LOG_COLUMNS = {
+    name: TaskDelivery._meta.get_field(name)
+    for name in ("task_id", "retries", "message_id", "queue", "worker", "fence_token", "delivery_count")
+}
 
 #: The columns each statement returns (``None``: it returns none), read from its first execution.
 _COLUMNS: dict[str, tuple[str, ...] | None] = {}

@@ -22,7 +22,13 @@ The one module that asks a connection which database it is
 - **Cursors.** On PostgreSQL the common path's statements are prepared
   (``PREPARED_STATEMENTS``); SQLite's take their named parameters converted
   once per statement instead of at each call.
-- **Values**: how timestamps and JSON are bound (``jsonb`` refuses NaN).
+- **Values**: how timestamps and JSON are bound (``jsonb`` refuses NUL),
+  and what a column can store at all (:meth:`Dialect.unstorable`): the
+  range of its integer type (Django's, per database: ``integer`` is 32 bits
+  on PostgreSQL, every SQLite integer 64), and text that is Unicode without
+  NUL (PostgreSQL's ``text`` and ``jsonb`` refuse NUL; SQLite's JSON
+  functions, which the *queued* rows' insert reads its values with, end a
+  string at it).
 """
 
 from __future__ import annotations
@@ -62,6 +68,35 @@ class Dialect:
             f"{self.connection.display_name}"
         )
 
+    def unstorable(self, field, value: object) -> str | None:
+        """Why this database's column of model ``field`` cannot store ``value``, or ``None`` if it can.
+
+        Asked before a value a producer chose is bound: a statement that binds
+        one fails (``OverflowError`` before it is sent, a ``DataError`` from
+        the server) the same way at every delivery, and would say nothing a
+        dead-letter reason can name.
+        """
+        if isinstance(value, str):
+            return self._text_problem(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            low, high = self.connection.ops.integer_field_range(field.get_internal_type())
+            if not low <= value <= high:
+                return f"is beyond the database's integers for it ({low}..{high})"
+        return None
+
+    #: What a NUL character in text becomes (none of the databases stores it).
+    nul_in_text = "cannot be stored"
+
+    def _text_problem(self, text: str) -> str | None:
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return "is not valid Unicode (it has a lone surrogate)"
+        if "\x00" in text:
+            return f"has a NUL character, which {self.nul_in_text}"
+        return None
+
     def own_transaction(self) -> bool:
         """Whether a statement now is its own transaction (autocommit, no caller's ``atomic`` block)."""
         return self.connection.get_autocommit() and not self.connection.in_atomic_block
@@ -79,6 +114,7 @@ def dialect(using: str | None = None) -> Dialect:
 
 class SQLite(Dialect):
     name = "sqlite"
+    nul_in_text = "SQLite's JSON functions cut the text at"
 
     def holds_claims(self, delivery) -> bool:
         """A claim may be written with the success under the write lock taken at ``BEGIN``."""
@@ -148,7 +184,10 @@ class SQLite(Dialect):
     timestamp_text = timestamp
 
     def json_text(self, value: Any) -> str:
-        """``value`` as the JSON text a JSON column stores (``TypeError`` or ``ValueError`` if it cannot)."""
+        """``value`` as the JSON text a JSON column stores (``TypeError`` or ``ValueError`` if it cannot).
+
+        NaN and infinities refused: Django's JSON column checks ``JSON_VALID``.
+        """
         return _JSON.encode(value)
 
     def json_param(self, text: str | None):
@@ -205,6 +244,7 @@ def _positional(sql: str) -> tuple[str, tuple[str, ...]]:
 class PostgreSQL(Dialect):
     name = "postgresql"
     reads_large_tables = True
+    nul_in_text = "PostgreSQL text cannot store"
     checks_under_write_lock = False
     #: A key with no row yet gets its queued row before the body, as its publish would have written it.
     inserts_missing_row_before_body = True
@@ -323,14 +363,35 @@ class PostgreSQL(Dialect):
         return None if value is None else value.isoformat()
 
     def json_text(self, value: Any) -> str:
-        """``value`` as JSON text; NaN and infinities refused now, as ``jsonb`` would refuse them later."""
-        return _STRICT_JSON.encode(value)
+        """``value`` as JSON text; what ``jsonb`` would refuse later (NaN, infinities, NUL, a lone
+        surrogate) refused now with a ``ValueError``."""
+        text = _JSON.encode(value)
+        if "\\u0000" in text or "\\ud" in text:  # Escaped: NUL, or half of a surrogate pair.
+            for string in _strings(value):
+                problem = self._text_problem(string)
+                if problem is not None:
+                    raise ValueError(f"a string {problem}: {string!r:.60}")
+        return text
 
     def json_param(self, text: str | None):
         """A ``jsonb`` parameter of JSON text already made (psycopg would serialize it again)."""
         from django.db.backends.postgresql.psycopg_any import Jsonb
 
         return None if text is None else Jsonb(text, dumps=str)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included (without recursion: a value may be deep)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(str(key) for key in item)
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
 
 
 def _transaction_open(raw) -> bool:
@@ -342,9 +403,9 @@ def _transaction_open(raw) -> bool:
 
 _DIALECTS: dict[str, type[Dialect]] = {"postgresql": PostgreSQL, "sqlite": SQLite}
 
-#: The JSON columns' encoder (Django's, as ``json.dumps(..., cls=DjangoJSONEncoder)`` makes one per call).
-_JSON = DjangoJSONEncoder()
-_STRICT_JSON = DjangoJSONEncoder(allow_nan=False)
+#: The JSON columns' encoder (Django's, as ``json.dumps(..., cls=DjangoJSONEncoder)`` makes one per call),
+#: refusing NaN and infinities, which neither database's JSON takes.
+_JSON = DjangoJSONEncoder(allow_nan=False)
 
 #: SQLSTATEs of a server that does not keep prepared statements between transactions (a pooler
 #: in transaction mode without prepared-statement support): preparing is then turned off.

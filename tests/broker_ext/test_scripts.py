@@ -12,7 +12,7 @@ import redis
 from broker_ext.errors import ConfigurationError, PublishRefused, Reply, ScriptRefused
 from broker_ext.keys import QueueKeys
 from broker_ext.queue import FencedQueue, QueueOptions
-from broker_ext.records import Delivery, OutgoingMessage
+from broker_ext.records import Claimed, Delivery, OutgoingMessage, ReclaimResult
 from broker_ext.scripts import LUA_DIR, SCRIPT_KEYS, SCRIPT_NAMES, source
 from lab.processes import wait_for
 
@@ -364,23 +364,31 @@ def test_stats_report_depths_and_oldest_ready_age(queue):
     assert stats.ready == 2 and stats.oldest_ready_age_s >= 0.15
 
 
+def _ack_claimed(q: FencedQueue, claimed: list[Claimed]) -> object:
+    return q.ack([claimed[0].delivery])
+
+
 @pytest.mark.parametrize(
     ("key_name", "operation"),
     [
-        ("ready", lambda q: q.publish([message("x")])),
-        ("state", lambda q: q.claim(1)),
-        ("leases", lambda q: q.ack([Delivery("jobs", "a", 1)])),
-        ("done", lambda q: q.ack([Delivery("jobs", "a", 1)])),
-        ("leases", lambda q: q.extend([Delivery("jobs", "a", 1)])),
-        ("dead", lambda q: q.requeue([Delivery("jobs", "a", 1)])),
-        ("reasons", lambda q: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
-        ("counters", lambda q: q.claim(1)),
-        ("wake", lambda q: q.revive(["a"])),
-        ("bodies", lambda q: q.purge()),
+        ("ready", lambda q, c: q.publish([message("x")])),
+        ("state", lambda q, c: q.claim(1)),
+        ("leases", _ack_claimed),
+        ("done", _ack_claimed),
+        ("acks", _ack_claimed),
+        ("counters", _ack_claimed),
+        ("leases", lambda q, c: q.extend([Delivery("jobs", "a", 1)])),
+        ("dead", lambda q, c: q.requeue([Delivery("jobs", "a", 1)])),
+        ("reasons", lambda q, c: q.dead_letter([Delivery("jobs", "a", 1)], "r")),
+        ("counters", lambda q, c: q.claim(1)),
+        ("wake", lambda q, c: q.revive(["a"])),
+        ("bodies", lambda q, c: q.purge()),
     ],
 )
 def test_a_wrong_typed_key_fails_the_script_with_no_partial_write(queue, redis_client, key_name, operation):
-    queue.publish([message("a")])
+    """Each operation meets the planted key on its way to a write (an ack of the delivery claimed before)."""
+    queue.publish([message("a"), message("b")])
+    claimed = queue.claim(1) if operation is _ack_claimed else []
     key = getattr(queue.keys, key_name)
     redis_client.delete(key)
     if key_name in HASH_KEYS:
@@ -389,7 +397,7 @@ def test_a_wrong_typed_key_fails_the_script_with_no_partial_write(queue, redis_c
         redis_client.hset(key, "not", "the right type")
     before = snapshot(redis_client)
     with pytest.raises(ScriptRefused, match="WRONGTYPE"):
-        operation(queue)
+        operation(queue, claimed)
     assert snapshot(redis_client) == before
 
 
@@ -431,12 +439,148 @@ def test_a_key_of_the_wrong_type_planted_between_two_publishes_is_refused_with_n
     ]
 
 
-def plant_wrong_type(client: redis.Redis, key_name: str, key: str) -> None:
-    client.delete(key)
+def plant(redis_client: redis.Redis, key: str, key_name: str) -> bytes | None:
+    """Replace ``key`` by a key of the wrong type; returns its DUMP, to put it back with :func:`unplant`."""
+    saved = redis_client.dump(key)
+    redis_client.delete(key)
     if key_name in HASH_KEYS:
-        client.set(key, "not a hash")
+        redis_client.set(key, "not a hash")
     else:
-        client.hset(key, "not", "the right type")
+        redis_client.hset(key, "not", "the right type")
+    return saved
+
+
+def unplant(redis_client: redis.Redis, key: str, saved: bytes | None) -> None:
+    redis_client.delete(key)
+    if saved is not None:
+        redis_client.restore(key, 0, saved)
+
+
+#: Every key a claim that carries an ack writes or reads on the way of a message at prefetch 1, with
+#: what makes the call reach it: "expired" (the acked delivery's lease expired and it went back to
+#: ready: the ack looks for it in ready and delayed), "no body" (the next message cannot be delivered:
+#: it is set aside), "no ack" (a claim that carries none).
+CLAIM_KEYS = [
+    ("state", ""),
+    ("acks", "acked"),
+    ("ready", ""),
+    ("request", ""),
+    ("bodies", ""),
+    ("counters", ""),
+    ("done", ""),
+    ("wake", ""),
+    ("leases", ""),
+    ("leases", "no ack"),
+    ("delayed", "expired"),
+    ("dead", "no body"),
+    ("reasons", "no body"),
+]
+
+
+@pytest.mark.parametrize(("key_name", "case"), CLAIM_KEYS)
+def test_a_key_of_the_wrong_type_planted_between_two_claims_is_refused_with_nothing_written(
+    queue, redis_client, key_name, case
+):
+    """claim (carrying the ack of the delivery before) checks no key's type up front: every key is first
+    met by a read, or by a write that fails before writing and that a later refusal undoes exactly."""
+    queue.publish([message(name, f'{{"n": "{name}"}}') for name in ("first", "second", "third")])
+    (first,) = queue.claim(1)
+    acks = [] if case == "no ack" else [first.delivery]
+    if case == "acked":  # the ack meets no state: it reads `acks` (a resent ack)
+        assert queue.ack([first.delivery]) == [Reply.OK]
+    if case == "expired":
+        wait_expired(queue)
+        assert queue.reclaim() == ReclaimResult(1, {})
+    if case == "no body":
+        redis_client.hdel(queue.keys.bodies, "second")
+    key = queue.keys.claim_request("next") if key_name == "request" else getattr(queue.keys, key_name)
+    saved = plant(redis_client, key, key_name)
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
+        queue.ack_and_claim(acks, 1, claim_id="next", upkeep=False)
+    assert snapshot(redis_client) == before
+    unplant(redis_client, key, saved)
+    reply = queue.ack_and_claim(acks, 1, claim_id="next", upkeep=False)
+    assert reply.acked == ([] if not acks else [Reply.ALREADY_ACKED if case == "acked" else Reply.OK])
+    if case == "no body":  # set aside, with its reason
+        assert reply.claimed == [] and queue.dead_ids() == ["second"]
+    else:
+        assert [c.delivery.message_id for c in reply.claimed] == ["second"]
+
+
+@pytest.mark.parametrize("key_name", ["leases", "bodies", "done", "acks", "counters", "state"])
+@pytest.mark.parametrize("acked", [1, 2], ids=["one ack", "two acks"])
+def test_a_key_of_the_wrong_type_planted_before_an_ack_is_refused_with_nothing_written(
+    queue, redis_client, key_name, acked
+):
+    """ack.lua: one ack checks no type up front (as a claim carrying it); several check theirs (TYPE)."""
+    queue.publish([message("a"), message("b")])
+    deliveries = [c.delivery for c in queue.claim(acked)]
+    key = getattr(queue.keys, key_name)
+    saved = plant(redis_client, key, key_name)
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="WRONGTYPE"):
+        queue.ack(deliveries)
+    assert snapshot(redis_client) == before
+    unplant(redis_client, key, saved)
+    assert queue.ack(deliveries) == [Reply.OK] * acked
+
+
+def test_a_refused_ack_of_an_id_acked_before_within_the_window_puts_its_earlier_records_back(
+    queue, redis_client
+):
+    """The done records of an id acked, published again and acked again are replaced; a refusal after
+    that (here `leases`, written last) puts the first ack's records back exactly."""
+    queue.publish([message("a")])
+    (first,) = queue.claim(1)
+    assert queue.ack([first.delivery]) == [Reply.OK]
+    queue.publish([message("a", publish_id="again")])
+    (second,) = queue.claim(1)
+    saved = plant(redis_client, queue.keys.leases, "leases")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="WRONGTYPE"):
+        queue.ack_and_claim([second.delivery], 1)
+    assert snapshot(redis_client) == before
+    unplant(redis_client, queue.keys.leases, saved)
+    assert queue.ack_and_claim([second.delivery], 1).acked == [Reply.OK]
+
+
+def test_a_refused_claim_that_had_emptied_ready_puts_it_back_with_its_expiry(redis_client):
+    """A queue declared with x-expires: the claim's ZPOPMIN takes the last ready message (Redis deletes
+    the emptied key); the refusal that follows puts the entry back and the key's expiry with it."""
+    queue = FencedQueue(redis_client, "jobs", options=QueueOptions(ttl_ms=600_000))
+    queue.publish([message("only")])
+    saved = plant(redis_client, queue.keys.counters, "counters")
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match="WRONGTYPE"):
+        queue.ack_and_claim([], 1)
+    assert snapshot(redis_client) == before
+    assert 0 < redis_client.pttl(queue.keys.ready) <= 600_000
+    unplant(redis_client, queue.keys.counters, saved)
+    assert [c.delivery.message_id for c in queue.ack_and_claim([], 1).claimed] == ["only"]
+
+
+def test_a_claim_never_takes_the_message_its_own_ack_finishes(queue):
+    """A slow holder's lease expired and its message went back to ready (at the front): the ack in the
+    next claim finishes it, and the claim takes the next message instead, still as many as asked."""
+    queue.publish([message("a"), message("b"), message("c")])
+    (slow,) = queue.claim(1)
+    wait_expired(queue)
+    assert queue.reclaim() == ReclaimResult(1, {})
+    reply = queue.ack_and_claim([slow.delivery], 2)
+    assert reply.acked == [Reply.OK]
+    assert [c.delivery.message_id for c in reply.claimed] == ["b", "c"]
+    assert queue.stats().ready == 0
+
+
+def test_a_resent_claim_that_carried_acks_answers_them_again_and_leases_nothing_more(queue):
+    queue.publish([message(str(n)) for n in range(4)])
+    (held,) = queue.claim(1)
+    first = queue.ack_and_claim([held.delivery], 1, claim_id="resent")
+    again = queue.ack_and_claim([held.delivery], 1, claim_id="resent")
+    assert (first.acked, again.acked) == ([Reply.OK], [Reply.ALREADY_ACKED])
+    assert again.claimed == first.claimed
+    assert queue.stats().ready == 2
 
 
 @pytest.mark.parametrize(("key_name", "kind"), PUBLISH_KEYS)
@@ -448,7 +592,7 @@ def test_a_batch_publish_meeting_a_key_of_the_wrong_type_takes_back_every_messag
     deduplicated one."""
     assert queue.publish([message("first", **kind)]) == [Reply.OK]
     key = getattr(queue.keys, key_name)
-    plant_wrong_type(redis_client, key_name, key)
+    plant(redis_client, key, key_name)
     before = snapshot(redis_client)
     batch = [message("plain"), message("second", **kind), message("third", priority=2)]
     with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
@@ -471,7 +615,7 @@ def test_a_publish_stored_beside_a_live_id_is_taken_back_with_the_live_record_wh
     one of its own: a later refused command puts the live record back as it was."""
     assert queue.publish([message("live", publish_id="p1")]) == [Reply.OK]
     key = getattr(queue.keys, key_name)
-    plant_wrong_type(redis_client, key_name, key)
+    plant(redis_client, key, key_name)
     before = snapshot(redis_client)
     publishes = [message("live", publish_id="p2")] + ([message("other")] if batch else [])
     with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
@@ -490,7 +634,7 @@ def test_a_publish_of_an_acked_id_refuses_an_acks_key_of_the_wrong_type_with_not
     queue.publish([message("a")])
     (claimed,) = queue.claim()
     assert queue.ack([claimed.delivery]) == [Reply.OK]
-    plant_wrong_type(redis_client, "acks", queue.keys.acks)
+    plant(redis_client, queue.keys.acks, "acks")
     before = snapshot(redis_client)
     for publishes in ([message("a", publish_id="again")], [message("b"), message("a", publish_id="again")]):
         with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(queue.keys.acks)}"):

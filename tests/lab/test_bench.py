@@ -55,6 +55,14 @@ EXPECTED = {
     "redis.ceiling.claim": BOTH,
     "redis.ceiling.ack": {"fenced"},
     "redis.aggregate": BOTH,
+    "cost.publish.commands": BOTH,
+    "cost.publish.round_trips": BOTH,
+    "cost.consume_p1.commands": BOTH,
+    "cost.consume_p1.round_trips": BOTH,
+    "cost.idle.cpu": BOTH,
+    "cost.idle.wake_ms": BOTH,
+    "cost.per_core.one_by_one": BOTH,
+    "cost.per_core.batched": BOTH,
 }
 
 

@@ -58,16 +58,6 @@ def private_redis(settings, redis_server, redis_db, fenced_url) -> Iterator[None
     reset_connections(app)
 
 
-@pytest.fixture(autouse=True)
-def queued_records_written() -> Iterator[None]:
-    """Queued records a test published are written before its database is emptied, not into the next test."""
-    yield
-    from queueapp import queued
-
-    if queued.pending():
-        queued.flush(5.0)
-
-
 @pytest.fixture
 def queue(redis_server, redis_db) -> FencedQueue:
     """The fenced queue ``celery`` (Celery's default queue) in this test's private Redis database."""

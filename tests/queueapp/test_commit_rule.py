@@ -7,9 +7,11 @@ cases run against a real fenced queue in Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
+from celery.exceptions import Reject
 from django.db import OperationalError, connection
 
 from broker_ext.errors import Reply
@@ -293,3 +295,18 @@ def test_on_postgresql_a_connection_killed_mid_body_loses_no_task(effects, queue
     assert wait_for(lambda: again.extend(queue.claim(1)) or again, timeout=10)
     execute(TASK, "k", lambda: demo_tasks.record_effect("whole"), (), {}, delivery=as_info(again[0].delivery))
     assert [row[0] for row in effects()] == ["whole"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("retries", 2**64, "header retries 18446744073709551616 is beyond"), ("task_id", "t\x00", "has a NUL")],
+)
+def test_a_delivery_whose_values_the_records_cannot_store_is_rejected_naming_them_before_anything_runs(
+    effects, field, value, named
+):
+    """Before: every write of its verdict failed the same way, and the delivery went back until dead."""
+    unusual = dataclasses.replace(delivery(100), **{field: value})
+    with pytest.raises(Reject) as rejected:
+        execute(TASK, "k", lambda: demo_tasks.record_effect("ran"), (), {}, delivery=unusual)
+    assert rejected.value.requeue is False and named in str(rejected.value.reason)
+    assert effects() == [] and not TaskOutcome.objects.exists()

@@ -303,3 +303,11 @@ def test_a_forked_child_writes_its_own_records_with_its_own_thread(settings):
     assert rows([child_key]) == 1
     assert rows([in_parent]) == 0  # Still in the parent's buffer: the child did not write it.
     assert queued.flush(timeout=10) and rows([in_parent]) == 1
+
+
+@pytest.mark.django_db  # Rolled back at its end, not emptied: what tests/conftest.py keeps apart.
+def test_a_publish_in_a_test_rolled_back_at_its_end_writes_its_record_in_that_test_s_transaction():
+    """The thread's own connection would commit it outside the test's transaction, into the next test."""
+    result = demo_tasks.effect.delay("rolled back")
+    assert queued.pending() == 0
+    assert connection.in_atomic_block and rows([result.id]) == 1

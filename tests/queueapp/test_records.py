@@ -8,11 +8,12 @@ judge every combination of a key's row and a delivery, and must agree.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from broker_ext.records import Delivery
@@ -104,3 +105,74 @@ def test_a_claim_inside_the_key_s_own_transaction_sees_the_rule_as_committed_by_
     assert (outcome.deliveries, outcome.suppressed_duplicates) == (1, 1)
     assert outcome.updated_at > timezone.now() - timedelta(minutes=1)
     assert connection.in_atomic_block is False
+
+
+#: Values at the edges of what a column can store, for each of a delivery's values a producer chooses.
+EDGES = {
+    "retries": (2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64),
+    "task_id": ("t\u00e9", "t\x00", "t\ud800"),
+    "key": ("k\u00e9", "k\x00", "k\ud800"),
+}
+#: Arguments at the edges of what a JSON column can store.
+ARGUMENT_EDGES = (["\u00e9"], ["a\x00"], ["\\u0000"], [{"\x00": 1}], ["\ud800"], [2**70], [float("nan")])
+
+
+def test_what_the_records_refuse_as_unstorable_is_exactly_what_the_database_cannot_store():
+    """Their check before the commit rule, and a claim written anyway, agree at every edge, on each database.
+
+    A value the check lets through must be written as it is by the key's
+    queued row and its claim; one it refuses must fail them (overflow, a
+    ``DataError``, unencodable text) or come back cut short (SQLite's JSON
+    functions end a string at NUL): what made such a delivery fail at every
+    write of its verdict.
+    """
+    records = Records()
+    disagreements = []
+    for name, values in EDGES.items():
+        for n, value in enumerate(values):
+            key = value if name == "key" else f"{name}{n}"
+            fields = {"task_id": f"id-{name}{n}"} | ({} if name == "key" else {name: value})
+            unusual = dataclasses.replace(delivery(7, "celery"), **fields)
+            problem = records.unstorable(key, unusual)
+            written = _written(records, key, unusual)
+            if (problem is None) != written:
+                disagreements.append((name, value, problem, written))
+    for n, args in enumerate(ARGUMENT_EDGES):
+        try:
+            records.dialect.json_text(args)
+            refused = False
+        except (TypeError, ValueError):
+            refused = True
+        try:
+            with transaction.atomic():
+                TaskOutcome.objects.create(idempotency_key=f"args{n}", task_name="t", args=args)
+            written = True
+        except (DatabaseError, OverflowError, UnicodeEncodeError, ValueError):
+            written = False
+        if refused == written:
+            disagreements.append(("args", args, refused, written))
+    assert disagreements == []
+
+
+def _written(records: Records, key: str, unusual: DeliveryInfo) -> bool:
+    """Whether the key's queued row, then its claim, store ``unusual`` as it is."""
+    try:
+        with transaction.atomic():
+            records.insert_queued([records.queued_record(key, unusual, [], {})])
+            queued = TaskOutcome.objects.get(idempotency_key=key)
+            records.claim(key, unusual, args=[], kwargs={}, lease_seconds=30)
+            claimed = TaskOutcome.objects.get(idempotency_key=key)
+    except Exception:  # Overflow, a DataError, unencodable text, a key cut short (not found).
+        return False
+    return queued.task_id == unusual.task_id and (claimed.task_id, claimed.retries) == (
+        unusual.task_id,
+        unusual.retries,
+    )
+
+
+def test_a_value_the_records_cannot_store_is_named_in_the_reason():
+    records = Records()
+    huge = dataclasses.replace(delivery(7, "celery"), retries=2**64)
+    assert records.unstorable("k", huge).startswith("header retries 18446744073709551616 is beyond")
+    nul = dataclasses.replace(delivery(7, "celery"), task_id="t\x00")
+    assert records.unstorable("k", nul).startswith("header id 't\\x00' has a NUL character, which ")

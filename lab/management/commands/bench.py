@@ -17,6 +17,7 @@ import broker_ext  # noqa: F401  (registers fenced://)
 from lab.bench import (
     bullmq_level,
     celery_level,
+    cost_level,
     dramatiq_level,
     exactly_once_level,
     kombu_level,
@@ -33,6 +34,7 @@ LEVELS = {
     "celery": (celery_level.run_level,),
     "exactly_once": (exactly_once_level.run_level,),
     "scaling": (scaling.run_level,),
+    "cost": (cost_level.run_level,),
     "bullmq": (bullmq_level.run_level,),
     "redis": (redis_load.run_level,),
 }
@@ -46,7 +48,8 @@ class Command(BaseCommand):
     help = (
         "Measure the fenced:// transport against the stock Kombu redis:// transport on a private Redis: "
         "publish and consume+ack (Kombu), no-op tasks through real Celery workers, the exactly-once "
-        "record on SQLite and PostgreSQL, claim/ack cost at depth, reclaim, memory, Redis ops/s against "
+        "record on SQLite and PostgreSQL, claim/ack cost at depth, reclaim, memory, commands and round "
+        "trips per message, idle consumers and tasks per Redis core, Redis ops/s against "
         "redis-benchmark's ceiling, Dramatiq's drain and BullMQ's Redis cost (when Node.js is installed) "
         "for comparison. Prints a table with ratios and "
         "PASS/FAIL per target (never fails on a target); --json prints every figure."

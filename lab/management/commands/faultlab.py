@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 from rich.console import Console
@@ -113,10 +114,7 @@ class Command(BaseCommand):
             raise CommandError("--tasks must be >= 0, --workers >= 1, --lease and --seconds > 0")
         brokers = BROKERS if options["broker"] == "both" else (options["broker"],)
         run_id = new_run_id(config.seed)
-        run_dir = cli.run_directory(run_id)
-        if not os.environ.get("DATABASE_URL"):
-            database.use_sqlite_file(run_dir / "db.sqlite3")
-        database.migrate()
+        run_dir = run_directory_with_database(run_id)
         try:
             result = cli.run_with_progress(config, brokers, run_id=run_id, run_dir=run_dir)
         except KeyboardInterrupt:
@@ -146,10 +144,7 @@ class Command(BaseCommand):
             raise CommandError("--fuzz and --fuzz-batch must be >= 1")
         config = FuzzConfig(examples=options["fuzz"], batch=options["fuzz_batch"], seed=options["seed"])
         run_id = f"fuzz-{new_run_id(config.seed)}"
-        run_dir = cli.run_directory(run_id)
-        if not os.environ.get("DATABASE_URL"):
-            database.use_sqlite_file(run_dir / "db.sqlite3")
-        database.migrate()
+        run_dir = run_directory_with_database(run_id)
         try:
             result = cli.fuzz_with_progress(config, run_id, run_dir)
         except KeyboardInterrupt:
@@ -160,3 +155,12 @@ class Command(BaseCommand):
             print_fuzz_report(result, Console(file=self.stdout, width=160))
         if not result.verdict.ok:
             raise CommandError("a fuzzed message broke the invariant (see above)", returncode=1)
+
+
+def run_directory_with_database(run_id: str) -> Path:
+    """The run's directory, its database migrated (a SQLite file in it unless ``DATABASE_URL`` names one)."""
+    run_dir = cli.run_directory(run_id)
+    if not os.environ.get("DATABASE_URL"):
+        database.use_sqlite_file(run_dir / "db.sqlite3")
+    database.migrate()
+    return run_dir
