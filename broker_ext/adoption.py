@@ -446,7 +446,9 @@ class Mover:
 
     def _store(self, move: QueueMove, queue: str, entries: list[tuple[str, AdoptedMessage]], *, from_unacked):
         """``adopt`` journal entries into ``queue``, then delete their journal fields."""
-        replies = self.fenced.fenced_queue(queue).adopt([m for _, m in entries], self.ledger_ttl_ms)
+        # Into shard 0 of a sharded queue: one ledger of stock publish ids, and consumers claim there.
+        target = self.fenced.fenced_queue(queue).shards[0]
+        replies = target.adopt([m for _, m in entries], self.ledger_ttl_ms)
         for (_, adopted), reply in zip(entries, replies, strict=True):
             self._count(move, adopted, reply, from_unacked)
         self.stock.client.hdel(self.stock.journal, *[name for name, _ in entries])
@@ -515,7 +517,8 @@ class Mover:
             ((queue, adopted),) = candidate.targets
             by_queue.setdefault(queue, []).append((candidate, replace(adopted, source=candidate.source)))
         for queue, entries in by_queue.items():
-            replies = self.fenced.fenced_queue(queue).adopt_local(
+            target = self.fenced.fenced_queue(queue).shards[0]  # shard 0 of a sharded queue, as _store
+            replies = target.adopt_local(
                 source,
                 [adopted for _, adopted in entries],
                 max_age_ms=self.max_age_ms,

@@ -1,4 +1,4 @@
-"""Batch publishing (``Producer.batch()``): one publish script call per queue per flush.
+"""Batch publishing (``Producer.batch()``): one publish script call per queue (per shard) per flush.
 
 Kombu's Redis batch refuses to run when the client may retry, because a
 replayed pipeline would queue messages twice. Here every publish is idempotent
@@ -54,8 +54,9 @@ class FencedPublishBatch:
         if not self._buffered:
             return
         calls = [
-            self.channel.fenced_queue(queue).publish_call(messages)
+            call
             for queue, messages in self._messages.items()
+            for call in self.channel.fenced_queue(queue).publish_calls(messages)[0]
         ]
         refusals = [result for result in self.channel.run_calls(calls) if isinstance(result, Exception)]
         if refusals:

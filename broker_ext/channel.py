@@ -34,10 +34,13 @@ from broker_ext.messages import (
     message_id_of,
     publish_id_of,
 )
+from broker_ext.nodes import run_per_node
 from broker_ext.qos import FencedQoS
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
-from broker_ext.scripts import ScriptCall, register, run_calls
+from broker_ext.scripts import ScriptCall, register
+from broker_ext.sharded_queue import ShardedQueue
+from broker_ext.shards import ShardLayout, load_layout
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +58,13 @@ class Channel(Consuming, kombu_redis.Channel):
         self._given_options = dict(connection.client.transport_options or {})
         options.check(self._given_options)
         self._more_ready: str | None = None
+        #: How many messages the last claim's replies held (before malformed ones were set aside).
+        self._claimed_count = 0
         self._polled_claim: PendingClaim | None = None
         #: When each queue's next claim reclaims and promotes (monotonic), for a busy consumer's polls.
         self._upkeep_due: dict[str, float] = {}
         super().__init__(connection, *args, **kwargs)
-        self._queues: dict[str, FencedQueue] = {}
+        self._queues: dict[str, FencedQueue | ShardedQueue] = {}
         self._no_ack_queues: set[str] = set()
         #: The publish batch routing a message right now (its binding tables are read once).
         self.routing_batch: FencedPublishBatch | None = None
@@ -104,26 +109,51 @@ class Channel(Consuming, kombu_redis.Channel):
     def scripts(self):
         return register(self.fenced_client)
 
-    def fenced_queue(self, name: str) -> FencedQueue:
-        """The :class:`FencedQueue` of ``name`` (honouring the queue's ``x-expires``)."""
+    def fenced_queue(self, name: str) -> FencedQueue | ShardedQueue:
+        """The queue ``name`` (honouring its ``x-expires``): a :class:`ShardedQueue` when it has shards.
+
+        Its shard layout is read from Redis the first time (:mod:`broker_ext.shards`).
+        """
         queue = self._queues.get(name)
         if queue is None:
             queue_options = self.settings.queue
             if name in self._expires:
                 queue_options = replace(queue_options, ttl_ms=int(self._expires[name]))
-            queue = FencedQueue(
+
+            def shard(tag: str | None, index: int = 0) -> FencedQueue:
+                return FencedQueue(
+                    self.fenced_client,
+                    name,
+                    options=queue_options,
+                    scripts=self.scripts,
+                    prefix=self.global_keyprefix,
+                    tag=tag,
+                    shard=index,
+                )
+
+            def holds_messages(layout: ShardLayout) -> bool:
+                return any(shard(tag, i).exists() for i, tag in enumerate(layout.tags))
+
+            layout = load_layout(
                 self.fenced_client,
                 name,
-                options=queue_options,
-                scripts=self.scripts,
+                self.settings.shards_of(name),
                 prefix=self.global_keyprefix,
+                holds_messages=holds_messages,
             )
+            shards = [shard(None if i == 0 else tag, i) for i, tag in enumerate(layout.tags)]
+            queue = shards[0] if layout.count == 1 else ShardedQueue(layout, shards, self.run_calls)
             self._queues[name] = queue
         return queue
 
+    def shard_queue(self, name: str, shard: int = 0) -> FencedQueue:
+        """Shard ``shard`` of queue ``name`` (the queue itself when it has one shard)."""
+        shards = self.fenced_queue(name).shards
+        return shards[shard] if shard < len(shards) else shards[0]
+
     def run_calls(self, calls: list[ScriptCall]) -> list:
-        """Run script calls of any queues in one round trip where the server allows it."""
-        return run_calls(self.fenced_client, calls, pipelined=self.pipelines_scripts)
+        """Run script calls of any queues (and shards) in one round trip per node."""
+        return run_per_node(self.fenced_client, calls)
 
     def _new_queue(self, queue, auto_delete=False, **kwargs):
         super()._new_queue(queue, auto_delete=auto_delete, **kwargs)

@@ -13,7 +13,10 @@ differs from a single Redis:
 * One BZPOPMIN waits on keys of one slot only: a consumer waits on the
   wake-up marker of its *home* queue (the first it consumes), on the node that owns it,
   and claims from every queue it consumes whenever it wakes, so a message on
-  another queue waits at most ``brpop_timeout`` (1 s).
+  another queue waits at most ``brpop_timeout`` (1 s). The shards of a sharded
+  queue are the exception: a relay thread per other slot of theirs
+  (:mod:`broker_ext.wake_relay`) passes their wake-ups on to the home marker.
+* Script calls are grouped per node, one pipeline each (:mod:`broker_ext.nodes`).
 * Fanout (remote control, events) is Redis pub/sub, which a cluster
   broadcasts to every node: its connection goes to any node of the cluster.
 * Kombu's expiring binding tables rely on a script that spans two slots; on a
@@ -35,10 +38,12 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.url import parse_url
 from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
+from redis.crc import key_slot
 
 from broker_ext.channel import Channel
 from broker_ext.consume import Empty
 from broker_ext.errors import ConfigurationError
+from broker_ext.wake_relay import WakeRelay
 
 #: Connection settings of Kombu's that are not passed on to the cluster client.
 NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class"}
@@ -161,8 +166,23 @@ class ClusterChannel(Channel):
         return result
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
+        """The home queue's marker and those of its shards in the same slot; other shards are relayed."""
         home = self._home_queue if self._home_queue in queues else queues[0]
-        return [self.fenced_queue(home).keys.wake]
+        groups = _wake_groups([shard.keys.wake for shard in self.fenced_queue(home).shards])
+        home_keys = groups.pop(0)
+        for queue in queues:
+            shards = self.fenced_queue(queue).shards
+            if queue != home and len(shards) > 1:
+                groups += _wake_groups([shard.keys.wake for shard in shards])
+        self.wake_relay.watch(groups)
+        return home_keys
+
+    @cached_property
+    def wake_relay(self) -> WakeRelay:
+        def home_key() -> str | None:
+            return self.fenced_queue(self._home_queue).keys.wake if self._home_queue else None
+
+        return WakeRelay(self.fenced_client, home_key)
 
     def _brpop_read(self, **options):
         try:
@@ -187,7 +207,18 @@ class ClusterChannel(Channel):
         """Bindings do not expire on a cluster (see :attr:`_refresh_binding`): nothing to refresh."""
 
     def close(self):
+        relay = self.__dict__.get("wake_relay")
+        if relay is not None:
+            relay.stop()
         super().close()
         opened = (self.__dict__.get("kombu_client"), self.__dict__.get("fenced_client"))
         for client in {id(c): c for c in opened if c is not None}.values():
             client.close()
+
+
+def _wake_groups(keys: list[str]) -> list[list[str]]:
+    """Wake-up keys grouped by slot (one BZPOPMIN each), the first key's group first."""
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key_slot(key.encode()), []).append(key)
+    return list(groups.values())

@@ -12,6 +12,12 @@ same acks; it sets the marker again while messages remain, for the next
 idle consumer (the claims of a busy consumer's poll do not: it claims again
 at once). Ending deliveries (acks, rejects, give-backs) is the QoS's
 (:mod:`broker_ext.qos`).
+
+A sharded queue (:mod:`broker_ext.shards`) is claimed with one call per
+shard its claim plan asks, in one round trip per node; the consumer waits on
+every shard's marker, and a woken consumer asks the shard whose marker it
+took first, so that the claim that takes from it sets it again while
+messages remain there.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
 from broker_ext.qos import NOT_RUN, PendingAcks
-from broker_ext.queue import new_claim_id
+from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, ClaimReply, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
+from broker_ext.wake_relay import RELAYED
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +49,21 @@ Empty = kombu_redis.Empty
 
 @dataclass(frozen=True)
 class PendingClaim:
-    """A claim on its way, carrying the buffered acks of its queue; other queues' acks go ahead of it
-    in the same round trip."""
+    """A claim on its way (one call per shard asked), each carrying the buffered acks of its shard;
+    other queues' acks go ahead of it in the same round trips (one per node)."""
 
     queue: str
     count: int
     acks: PendingAcks
-    claim: ScriptCall
+    claims: list[ScriptCall]
+    #: The shards of the queue this claim did not ask (a sharded queue and a small count).
+    unasked: list[FencedQueue]
+    #: The shard each of :attr:`claims` asks, in order.
+    asked: list[int]
 
     @property
     def calls(self) -> list[ScriptCall]:
-        return [*self.acks.calls, self.claim]
+        return [*self.acks.calls, *self.claims]
 
 
 class Consuming:
@@ -94,21 +105,46 @@ class Consuming:
         estimate = self.qos.can_consume_max_estimate()
         return 1 if estimate is None else min(estimate, self.settings.claim_batch)
 
-    def claim(self, queue: str, count: int, *, no_ack: bool | None = None) -> list[dict]:
+    def claim(
+        self,
+        queue: str,
+        count: int,
+        *,
+        no_ack: bool | None = None,
+        first: int | None = None,
+        follow_up: bool = True,
+    ) -> list[dict]:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
+
+        ``follow_up``: when the shards a sharded queue's claim plan asked had
+        too little, ask the others one by one (an idle consumer's claim after
+        its poll timed out does not: the markers say where messages wait, and
+        the next such claim asks the next shard).
 
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
-        pending = self._claim_calls(queue, count, no_ack, wake_next=True)
+        pending = self._claim_calls(queue, count, no_ack, wake_next=True, first=first)
         try:
             results = self.run_calls(pending.calls)
         except self.connection_errors:
             self.qos.buffer_acks(pending.acks.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
             raise
-        return self._claimed_payloads(pending, results)
+        payloads = self._claimed_payloads(pending, results)
+        claimed = self._claimed_count
+        for shard in pending.unasked if follow_up else ():  # The shards asked had too little: ask the others.
+            if claimed >= count:
+                break
+            claim = self._shard_claim(shard, count - claimed)
+            pending = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
+            payloads += self._claimed_payloads(pending, self.run_calls(pending.calls))
+            claimed += self._claimed_count
+        return payloads
 
-    def _claim_calls(self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool) -> PendingClaim:
-        """The buffered acks (taken from the QoS) and a claim carrying those of ``queue``: one round trip.
+    def _claim_calls(
+        self, queue: str, count: int, no_ack: bool | None, *, wake_next: bool, first: int | None = None
+    ) -> PendingClaim:
+        """The buffered acks (taken from the QoS) and a claim per shard asked, each carrying its shard's
+        acks: one round trip per node.
 
         A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
         and promotes only every ``upkeep_interval``; any other claim does.
@@ -119,26 +155,46 @@ class Consuming:
         upkeep = wake_next or now >= self._upkeep_due.get(queue, 0.0)
         if upkeep:
             self._upkeep_due[queue] = now + self.settings.upkeep_interval
-        acks = self.qos.pending_acks(carried_by=queue)
-        claim = self.fenced_queue(queue).acking_claim_call(
-            acks.carried_deliveries, count, no_ack=no_ack, wake_next=wake_next, upkeep=upkeep
-        )
-        return PendingClaim(queue, count, acks, claim)
+        fenced = self.fenced_queue(queue)
+        plan = fenced.claim_plan(count, first)
+        asked = [shard.shard for shard, _ in plan]
+        acks = self.qos.pending_acks(carried_by=[(queue, shard) for shard in asked])
+        claims = [
+            shard.acking_claim_call(
+                acks.carried_by((queue, shard.shard)),
+                share,
+                no_ack=no_ack,
+                wake_next=wake_next,
+                upkeep=upkeep,
+            )
+            for shard, share in plan
+        ]
+        unasked = [shard for shard in fenced.shards if shard.shard not in asked]
+        return PendingClaim(queue, count, acks, claims, unasked, asked)
+
+    def _shard_claim(self, shard: FencedQueue, count: int) -> ScriptCall:
+        no_ack = shard.name in self._no_ack_queues
+        return shard.acking_claim_call((), count, no_ack=no_ack, wake_next=True)
 
     def _claimed_payloads(self, pending: PendingClaim, results: list) -> list[dict]:
-        """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full."""
-        *ack_replies, reply = results
-        if isinstance(reply, ClaimReply):
-            self.qos.settle_acks(pending.acks, ack_replies, reply.acked)
-            claimed = reply.claimed
-        elif isinstance(reply, ScriptRefused):
-            self.qos.settle_acks(pending.acks, ack_replies, reply)  # refused as a whole: its acks too
-            logger.error("claim on %r refused; the queue's keys need an operator: %s", pending.queue, reply)
-            claimed = []
-        else:
-            # Redis unavailable, or an error: its acks are sent again later (a resent ack is ALREADY_ACKED).
-            self.qos.settle_acks(pending.acks, ack_replies, NOT_RUN)
-            raise reply
+        """Read the replies of :meth:`_claim_calls`; remembers whether the claim came back full.
+
+        A shard whose claim failed is logged while the others' messages are
+        delivered; only when every shard's claim failed does the error go up.
+        """
+        sent_apart = len(pending.acks.calls)
+        replies = results[sent_apart:]
+        self.qos.settle_acks(pending.acks, results[:sent_apart], _carried_replies(pending, replies))
+        claimed: list[Claimed] = []
+        failures = [reply for reply in replies if not isinstance(reply, ClaimReply)]
+        for reply in replies:
+            if isinstance(reply, ClaimReply):
+                claimed += reply.claimed
+            else:
+                logger.error("claim on %r failed or refused: %s", pending.queue, reply)
+        if failures and len(failures) == len(replies) and not isinstance(failures[0], ScriptRefused):
+            raise failures[0]
+        self._claimed_count = len(claimed)
         # A full claim means more may be waiting: the next poll claims directly instead of blocking.
         self._more_ready = pending.queue if len(claimed) >= pending.count else None
         return [payload for payload in map(self._payload_of, claimed) if payload is not None]
@@ -186,14 +242,22 @@ class Consuming:
             delivered += 1
         return delivered
 
-    def claim_and_deliver(self, queues: list[str]) -> int:
-        """Claim from ``queues`` in order while there is credit; returns how many were delivered."""
+    def claim_and_deliver(
+        self, queues: list[str], first: int | None = None, *, follow_up: bool = True
+    ) -> int:
+        """Claim from ``queues`` in order while there is credit; returns how many were delivered.
+
+        ``first``: the shard of the first queue whose wake-up marker woke the consumer, asked first;
+        ``follow_up``: as for :meth:`claim`.
+        """
         delivered = 0
         for queue in queues:
             credit = self._credit()
             if credit <= 0:
                 break
-            delivered += self._deliver_claimed(queue, self.claim(queue, credit))
+            payloads = self.claim(queue, credit, first=first, follow_up=follow_up)
+            delivered += self._deliver_claimed(queue, payloads)
+            first = None
         return delivered
 
     def _get(self, queue):
@@ -213,8 +277,8 @@ class Consuming:
         return message
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
-        """The wake-up markers one BZPOPMIN waits on for ``queues``."""
-        return [self.fenced_queue(queue).keys.wake for queue in queues]
+        """The wake-up markers one BZPOPMIN waits on for ``queues`` (every shard's)."""
+        return [shard.keys.wake for queue in queues for shard in self.fenced_queue(queue).shards]
 
     def _brpop_start(self, timeout=None):
         """Send the poll command: a claim when the last one came back full, else a BZPOPMIN on the markers.
@@ -253,9 +317,16 @@ class Consuming:
             connection.disconnect()
             self.qos.buffer_acks(pending.acks.deliveries)
             raise
-        if results[-1] is NOT_RUN:
-            self.qos.settle_acks(pending.acks, results[:-1], NOT_RUN)
-            raise Empty()  # _more_ready is unchanged: the next poll claims again
+        sent_apart = len(pending.acks.calls)
+        claims = results[sent_apart:]
+        if any(result is NOT_RUN for result in claims):
+            self.qos.settle_acks(pending.acks, results[:sent_apart], _carried_replies(pending, claims))
+            # _more_ready is unchanged: the next poll claims again (what the others claimed is given back).
+            taken = [
+                claimed for reply in claims if isinstance(reply, ClaimReply) for claimed in reply.claimed
+            ]
+            self._give_back([payload for payload in map(self._payload_of, taken) if payload is not None])
+            raise Empty()
         payloads = self._claimed_payloads(pending, results)
         if self._closing:
             self._give_back(payloads)
@@ -296,18 +367,41 @@ class Consuming:
                 raise Empty()
             queues = self.active_queues
             if reply:
-                woken = queue_of_key(bytes_to_str(reply[0]), "wake")
+                woken, shard = self._woken(bytes_to_str(reply[0]), bytes_to_str(reply[1]))
                 self._queue_cycle.rotate(woken)
-                if woken in queues and self.claim_and_deliver([woken]):
+                if woken in queues and self.claim_and_deliver([woken], first=shard):
                     return True
-            if self.claim_and_deliver(queues):
+            if self.claim_and_deliver(queues, follow_up=bool(reply)):
                 return True
             raise Empty()
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
 
+    def _woken(self, key: str, member: str) -> tuple[str | None, int | None]:
+        """The queue and shard whose marker a BZPOPMIN took (a relayed one names its shard's marker)."""
+        key = member.removeprefix(RELAYED) if member.startswith(RELAYED) else key
+        queue = queue_of_key(key, "wake")
+        if queue is None or queue not in self.active_queues:
+            return queue, None
+        return queue, self.fenced_queue(queue).shard_of_wake(key)
+
     def _restore(self, message, leftmost=False):
         delivery = delivery_of(message.properties)
         if delivery is not None:  # a fanout message has no lease to give back
             self.qos.give_back([delivery], counted=False)
+
+
+def _carried_replies(pending: PendingClaim, replies: list) -> dict:
+    """By queue shard, the replies to the acks each claim carried. A refused claim refused its acks
+    too; a claim that failed otherwise (Redis unavailable) or did not run did not do them, and they
+    are sent again later (``NOT_RUN``: a resent ack is ALREADY_ACKED)."""
+
+    def carried(reply):
+        if isinstance(reply, ClaimReply):
+            return reply.acked
+        return reply if isinstance(reply, ScriptRefused) else NOT_RUN
+
+    return {
+        (pending.queue, shard): carried(reply) for shard, reply in zip(pending.asked, replies, strict=True)
+    }

@@ -25,6 +25,7 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:adopted`` hash    stock publish id -> moved at ms: messages moved over from stock Kombu
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
 ``fenced:{T}:claim:R`` string  the ids claim R leased, for a resent claim (expires)
+``fenced:{T}:shards``  string  the shard layout of a sharded queue (JSON, :mod:`broker_ext.shards`)
 ``fenced:consumers``   hash    consumer id -> what its lease keeper last reported (JSON)
 ``fenced:adopting``    hash    on a stock Redis: messages taken out of its queues, not yet stored
                                in their fenced queue on another server (JSON [queue, publish id] -> payload)
@@ -32,6 +33,13 @@ Layout for queue ``q`` (tag ``T``):
 
 An empty queue name is refused: its tag would be ``{}``, which Redis ignores
 when it hashes a key, so the queue's keys would spread over many slots.
+
+A queue sharded over n slots (transport option ``queue_shards``,
+:mod:`broker_ext.shards`) keeps shard 0 under the queue's own tag ``T`` and
+shard i under ``T%Si.s`` (``s`` a number chosen so that the slot lands on a
+given master): ``%S`` never comes out of :func:`hash_tag`, so a shard's keys
+are never another queue's, and :func:`queue_of_key` maps them to the logical
+queue.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from broker_ext.errors import ConfigurationError
 PREFIX = "fenced"
 #: A fixed key of a queue, after any global prefix: its hash tag and its name.
 _QUEUE_KEY = re.compile(PREFIX + r":\{(?P<tag>[^{}]*)\}:(?P<name>[a-z_]+)$")
+#: What separates a sharded queue's tag from its shard's number and salt (never made by hash_tag).
+SHARD_MARK = "%S"
 
 
 def hash_tag(queue: str) -> str:
@@ -58,6 +68,8 @@ class QueueKeys:
 
     queue: str
     prefix: str = ""
+    #: The hash tag of a shard (:mod:`broker_ext.shards`); the queue's own tag when unset.
+    tag: str | None = None
 
     def __post_init__(self) -> None:
         if not self.queue:
@@ -65,7 +77,12 @@ class QueueKeys:
 
     @cached_property
     def base(self) -> str:
-        return f"{self.prefix}{PREFIX}:{{{hash_tag(self.queue)}}}"
+        return f"{self.prefix}{PREFIX}:{{{self.tag or hash_tag(self.queue)}}}"
+
+    @cached_property
+    def shards(self) -> str:
+        """The shard layout of the queue (kept under the queue's own tag, shard 0's slot)."""
+        return f"{self.prefix}{PREFIX}:{{{hash_tag(self.queue)}}}:shards"
 
     def _key(self, name: str) -> str:
         return f"{self.base}:{name}"
@@ -195,7 +212,7 @@ def queue_of_key(key: str, name: str) -> str | None:
     match = _QUEUE_KEY.search(key)
     if match is None or match.group("name") != name:
         return None
-    return unescape_tag(match.group("tag"))
+    return unescape_tag(match.group("tag").split(SHARD_MARK, 1)[0])
 
 
 def key_pattern(name: str, prefix: str = "") -> str:

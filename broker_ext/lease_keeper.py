@@ -25,7 +25,7 @@ from typing import Protocol
 
 from broker_ext.consumers import ConsumerRegistry
 from broker_ext.errors import Reply
-from broker_ext.qos import FencedQoS, by_queue
+from broker_ext.qos import FencedQoS, by_shard
 from broker_ext.queue import FencedQueue
 from broker_ext.scripts import ScriptCall
 
@@ -41,6 +41,8 @@ class QueueSource(Protocol):
     def active_queues(self) -> list[str]: ...
 
     def fenced_queue(self, name: str) -> FencedQueue: ...
+
+    def shard_queue(self, name: str, shard: int = 0) -> FencedQueue: ...
 
     def run_calls(self, calls: list[ScriptCall]) -> list: ...
 
@@ -127,11 +129,11 @@ class LeaseKeeper:
                 self._stopped.wait(intervals.tick)
 
     def extend(self) -> None:
-        """Extend every held delivery (one script call per queue, all in one round trip); report in."""
+        """Extend every held delivery (a script call per queue shard, a round trip per node); report in."""
         held = self.qos.held()
-        groups = by_queue(held)
-        calls = [self.queues.fenced_queue(queue).extend_call(group) for queue, group in groups.items()]
-        for (queue, group), replies in zip(groups.items(), self.queues.run_calls(calls), strict=True):
+        groups = by_shard(held)
+        calls = [self.queues.shard_queue(*key).extend_call(group) for key, group in groups.items()]
+        for ((queue, _), group), replies in zip(groups.items(), self.queues.run_calls(calls), strict=True):
             if isinstance(replies, Exception):
                 logger.error("extending leases on %r failed: %r", queue, replies)
                 continue

@@ -24,6 +24,7 @@ FENCE_CLAIM = "fence_claim"
 DELIVERY_COUNT = "delivery_count"
 FENCED_QUEUE = "fenced_queue"
 FENCED_MESSAGE_ID = "fenced_message_id"
+FENCED_SHARD = "fenced_shard"
 
 #: Message headers a publisher may set to deduplicate logically equal publishes.
 DEDUP_KEY_HEADER = "fenced_dedup_key"
@@ -166,6 +167,10 @@ def stamp(payload: dict, delivery: Delivery) -> None:
     properties[DELIVERY_COUNT] = delivery.delivery_count
     properties[FENCED_QUEUE] = delivery.queue
     properties[FENCED_MESSAGE_ID] = delivery.message_id
+    if delivery.shard:
+        properties[FENCED_SHARD] = delivery.shard
+    else:
+        properties.pop(FENCED_SHARD, None)
     redelivered = delivery.delivery_count > 1
     properties.setdefault("delivery_info", {})["redelivered"] = redelivered
     if redelivered:
@@ -188,4 +193,5 @@ def delivery_of(properties: dict) -> Delivery | None:
         token=int(properties[FENCE_TOKEN]),
         delivery_count=int(properties.get(DELIVERY_COUNT, 1)),
         claim=str(properties.get(FENCE_CLAIM, "")),
+        shard=int(properties.get(FENCED_SHARD, 0)),
     )

@@ -138,6 +138,16 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         "operator tools use 0, so a hung Redis answers within one `socket_timeout`",
         kind="non_negative_int",
     ),
+    Option(
+        "queue_shards",
+        None,
+        "",
+        "shards of one logical queue, each in a slot of its own, spread over the cluster's masters: a "
+        "number for every queue, or a dict `{queue name: n}`; the layout is kept in Redis, and a queue "
+        "left unset uses the stored one (else 1); a change of n for a queue that holds messages is "
+        "refused (see docs/cluster-and-sentinel.md)",
+        kind="shards",
+    ),
     Option("cluster", False, "", "connect to a Redis Cluster (the URL's hosts are startup nodes)", "flag"),
     Option(
         "master_name",
@@ -247,6 +257,15 @@ class TransportSettings:
     binding_cache_ttl: float = 0.0
     upkeep_interval: float = 0.1
     queue: QueueOptions = field(default_factory=QueueOptions)
+    #: ``queue_shards`` as given: one count for every queue, or counts by queue name, or unset.
+    queue_shards: int | Mapping[str, int] | None = None
+
+    def shards_of(self, queue: str) -> int | None:
+        """How many shards ``queue`` is configured with (``None``: as its stored layout says)."""
+        if isinstance(self.queue_shards, Mapping):
+            count = self.queue_shards.get(queue)
+            return None if count is None else int(count)
+        return None if self.queue_shards is None else int(self.queue_shards)
 
 
 def declare(channel_class: type) -> type:
@@ -255,6 +274,21 @@ def declare(channel_class: type) -> type:
         setattr(channel_class, option.name, option.default)
     channel_class.from_transport_options = (*channel_class.from_transport_options, *OPTION_NAMES)
     return channel_class
+
+
+#: Most shards one queue may have (each one is a claim call per claim of an idle consumer).
+MAX_SHARDS = 64
+
+
+def _shard_count(value: Any) -> bool:
+    return _whole(value) and 1 <= value <= MAX_SHARDS
+
+
+def _shard_counts(value: Any) -> bool:
+    """``queue_shards``: one count, or counts by queue name."""
+    if isinstance(value, Mapping):
+        return all(isinstance(name, str) and name and _shard_count(n) for name, n in value.items())
+    return _shard_count(value)
 
 
 _READERS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -268,6 +302,10 @@ _READERS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "flag": (lambda v: isinstance(v, bool), "True or False"),
     "text": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
     "mapping": (lambda v: isinstance(v, Mapping), "a dict"),
+    "shards": (
+        _shard_counts,
+        f"a whole number from 1 to {MAX_SHARDS}, or a dict {{queue name: such a number}}",
+    ),
 }
 
 
@@ -310,6 +348,7 @@ def resolve(values: Callable[[str], Any]) -> TransportSettings:
         ack_batch_size=int(values("ack_batch_size")),
         binding_cache_ttl=float(values("binding_cache_ttl")),
         upkeep_interval=float(values("upkeep_interval")),
+        queue_shards=values("queue_shards"),
         queue=QueueOptions(
             lease_ms=int(lease * 1000),
             max_deliveries=int(values("max_deliveries")),

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kombu.transport import virtual
 
@@ -37,36 +38,41 @@ logger = logging.getLogger(__name__)
 NOT_RUN = object()
 
 
-def by_queue(deliveries: Iterable[Delivery]) -> dict[str, list[Delivery]]:
-    """Deliveries grouped by queue, in first-seen order."""
-    groups: dict[str, list[Delivery]] = {}
+#: A queue's name and the number of one of its shards (0 for a queue of one).
+ShardKey = tuple[str, int]
+
+
+def by_shard(deliveries: Iterable[Delivery]) -> dict[ShardKey, list[Delivery]]:
+    """Deliveries grouped by queue and shard (one script call each), in first-seen order."""
+    groups: dict[ShardKey, list[Delivery]] = {}
     for delivery in deliveries:
-        groups.setdefault(delivery.queue, []).append(delivery)
+        groups.setdefault((delivery.queue, delivery.shard), []).append(delivery)
     return groups
 
 
 @dataclass(frozen=True)
 class PendingAcks:
-    """Buffered acks taken out of the buffer, on their way to Redis: the acks of ``carried`` travel
-    inside that queue's claim (one script call for both), every other queue's in an ack call of its own.
+    """Buffered acks taken out of the buffer, on their way to Redis: the acks of each queue shard in
+    ``carried`` travel inside that shard's claim (one script call for both), every other shard's in an
+    ack call of its own.
     """
 
-    groups: dict[str, list[Delivery]]
+    groups: dict[ShardKey, list[Delivery]]
     calls: list[ScriptCall]
-    carried: str | None = None
+    carried: tuple[ShardKey, ...] = ()
 
     @property
     def deliveries(self) -> list[Delivery]:
         return [delivery for group in self.groups.values() for delivery in group]
 
-    @property
-    def carried_deliveries(self) -> list[Delivery]:
-        return self.groups[self.carried] if self.carried is not None else []
+    def carried_by(self, key: ShardKey) -> list[Delivery]:
+        """The acks the claim of queue shard ``key`` carries."""
+        return self.groups[key] if key in self.carried else []
 
     @property
-    def sent_apart(self) -> dict[str, list[Delivery]]:
+    def sent_apart(self) -> dict[ShardKey, list[Delivery]]:
         """The groups that have an ack call of their own (in the order of :attr:`calls`)."""
-        return {queue: group for queue, group in self.groups.items() if queue != self.carried}
+        return {key: group for key, group in self.groups.items() if key not in self.carried}
 
 
 class FencedQoS(virtual.QoS):
@@ -175,30 +181,32 @@ class FencedQoS(virtual.QoS):
         with self._lock:
             return len(self._unsent_acks)
 
-    def pending_acks(self, carried_by: str | None = None) -> PendingAcks:
+    def pending_acks(self, carried_by: Iterable[ShardKey] = ()) -> PendingAcks:
         """Take every buffered ack, as calls to send (with a claim, or by :meth:`flush_acks`).
 
-        ``carried_by``: the queue a claim is about to be sent to; its acks go
-        inside that claim's script call, not in a call of their own.
+        ``carried_by``: the queue shards a claim is about to be sent to; their
+        acks go inside those claims' script calls, not in calls of their own.
         """
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
-        groups = by_queue(acks)
-        carried = carried_by if carried_by in groups else None
+        groups = by_shard(acks)
+        carried = tuple(key for key in carried_by if key in groups)
         calls = [
-            self.channel.fenced_queue(queue).ack_call(group)
-            for queue, group in groups.items()
-            if queue != carried
+            self.channel.shard_queue(*key).ack_call(group)
+            for key, group in groups.items()
+            if key not in carried
         ]
         return PendingAcks(groups, calls, carried)
 
-    def settle_acks(self, pending: PendingAcks, replies: list, carried_reply=None) -> None:
-        """Read the replies of sent acks (``carried_reply``: the acks a claim carried): log refusals,
-        and buffer again what did not run."""
-        for (queue, group), reply in zip(pending.sent_apart.items(), replies, strict=True):
+    def settle_acks(
+        self, pending: PendingAcks, replies: list, carried_replies: Mapping[ShardKey, Any] | None = None
+    ) -> None:
+        """Read the replies of sent acks (``carried_replies``: by queue shard, the replies to the acks
+        the claims carried, or what the claim raised): log refusals, and buffer again what did not run."""
+        for ((queue, _), group), reply in zip(pending.sent_apart.items(), replies, strict=True):
             self._settle(queue, group, reply)
-        if pending.carried is not None:
-            self._settle(pending.carried, pending.carried_deliveries, carried_reply)
+        for key in pending.carried:
+            self._settle(key[0], pending.groups[key], (carried_replies or {}).get(key, NOT_RUN))
 
     def _settle(self, queue: str, group: list[Delivery], reply) -> None:
         if reply is NOT_RUN:
@@ -238,7 +246,7 @@ class FencedQoS(virtual.QoS):
                 if requeue:
                     self.give_back([delivery], counted=True)
                 else:
-                    self.channel.fenced_queue(delivery.queue).dead_letter([delivery], reason)
+                    self.channel.shard_queue(delivery.queue, delivery.shard).dead_letter([delivery], reason)
         finally:
             super().ack(delivery_tag)
 
@@ -262,8 +270,8 @@ class FencedQoS(virtual.QoS):
 
     def give_back(self, deliveries: Iterable[Delivery], *, counted: bool, reason: str = "") -> None:
         """Requeue deliveries, one call per queue: counted (a reject) or unspent (never ran)."""
-        for queue, group in by_queue(deliveries).items():
-            self.channel.fenced_queue(queue).requeue(group, counted=counted, reason=reason)
+        for key, group in by_shard(deliveries).items():
+            self.channel.shard_queue(*key).requeue(group, counted=counted, reason=reason)
 
     def charge_at_shutdown(self, delivery_tags: Iterable[str] | None, reason: str) -> int:
         """Give these deliveries back *charged* at shutdown (all held ones if ``None``); how many are held.

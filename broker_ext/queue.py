@@ -21,6 +21,7 @@ import redis
 from broker_ext.errors import Reply
 from broker_ext.keys import QueueKeys, key_pattern, queue_of_key
 from broker_ext.messages import BESIDE
+from broker_ext.nodes import node_client
 from broker_ext.options import QueueOptions
 from broker_ext.records import (
     AdoptedMessage,
@@ -98,10 +99,14 @@ class FencedQueue:
         options: QueueOptions | None = None,
         scripts: Scripts | None = None,
         prefix: str = "",
+        tag: str | None = None,
+        shard: int = 0,
     ) -> None:
         self.client = client
         self.name = name
-        self.keys = QueueKeys(name, prefix)
+        #: Which shard of a sharded queue this is (:mod:`broker_ext.shards`); 0 for a queue of one.
+        self.shard = shard
+        self.keys = QueueKeys(name, prefix, tag)
         self.options = options or QueueOptions()
         self.scripts = scripts or register(client)
 
@@ -139,6 +144,11 @@ class FencedQueue:
         dedup_keys = [self.keys.dedup(message.dedup_key or "") for message in messages]
         return self._call("publish", args, dedup=dedup_keys)
 
+    def publish_calls(self, messages: Sequence[OutgoingMessage]) -> tuple[list[ScriptCall], list[list[int]]]:
+        """The calls of a publish and the positions of each call's messages (one call here; one per
+        shard on a :class:`~broker_ext.sharded_queue.ShardedQueue`)."""
+        return [self.publish_call(messages)], [list(range(len(messages)))]
+
     def publish(self, messages: Sequence[OutgoingMessage]) -> list[Reply]:
         """Store messages (idempotent on each one's publish id); one reply per message.
 
@@ -171,7 +181,19 @@ class FencedQueue:
         stock = {"unacked": source.unacked, "unacked_index": source.unacked_index, "list": source.list_key}
         return self.run(self._call("adopt_local", args, **stock))
 
+    def shard_of_wake(self, key: str) -> int | None:
+        return 0 if self.keys.wake.endswith(key) else None
+
+    @property
+    def shards(self) -> list[FencedQueue]:
+        """The shards of the logical queue: this queue alone (see :mod:`broker_ext.sharded_queue`)."""
+        return [self]
+
     # -- consume -------------------------------------------------------------------------
+
+    def claim_plan(self, count: int, first: int | None = None) -> list[tuple[FencedQueue, int]]:
+        """Which shard a claim asks for how many: all of ``count`` from this one queue."""
+        return [(self, count)]
 
     def claim_call(
         self,
@@ -233,7 +255,9 @@ class FencedQueue:
             self._announce(_reasons(dead))
             claimed = [
                 Claimed(
-                    Delivery(self.name, _text(flat[i]), int(flat[i + 1]), int(flat[i + 2]), claim_id),
+                    Delivery(
+                        self.name, _text(flat[i]), int(flat[i + 1]), int(flat[i + 2]), claim_id, self.shard
+                    ),
                     flat[i + 3],
                 )
                 for i in range(0, len(flat), 4)
@@ -412,7 +436,7 @@ class FencedQueue:
     def _locate(self, ids: list[str]) -> tuple[dict[str, MessageState], dict[str, list[str]]]:
         """:meth:`locate` of ``ids`` as stored, and the ids stored beside each one that is gone."""
         k = self.keys
-        pipe = self.client.pipeline(transaction=False)
+        pipe = node_client(self.client, k.state).pipeline(transaction=False)
         pipe.time()
         pipe.hmget(k.state, ids)
         pipe.hmget(k.reasons, ids)
@@ -451,6 +475,7 @@ class FencedQueue:
                 state.claim,
                 state.charged,
                 state.interrupted,
+                self.shard,
             )
         return found, beside
 

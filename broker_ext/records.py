@@ -28,6 +28,8 @@ class Delivery:
     token: int
     delivery_count: int = 1
     claim: str = ""
+    #: The shard of a sharded queue it was claimed from (:mod:`broker_ext.shards`); 0 otherwise.
+    shard: int = 0
 
 
 @dataclass(frozen=True)
@@ -254,13 +256,14 @@ class MessageState:
     claim: str = ""
     charged: int = 0
     interrupted: int = 0
+    shard: int = 0
 
     @property
     def delivery(self) -> Delivery | None:
         """The current delivery of a leased message (what an operator's compare-and-set presents)."""
         if self.place is not Place.LEASED:
             return None
-        return Delivery(self.queue, self.message_id, self.token, self.delivery_count, self.claim)
+        return Delivery(self.queue, self.message_id, self.token, self.delivery_count, self.claim, self.shard)
 
     @property
     def in_broker(self) -> bool:

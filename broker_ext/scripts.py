@@ -228,7 +228,7 @@ def run_calls(client, calls: Sequence[ScriptCall], *, pipelined: bool = True) ->
     if not calls:
         return []
     if not pipelined:
-        return [_result_of(client, call) for call in calls]
+        return [result_of(client, call) for call in calls]
     pipe = client.pipeline(transaction=False)
     for call in calls:
         pipe.execute_command(*command_of(call))
@@ -239,7 +239,7 @@ def run_calls(client, calls: Sequence[ScriptCall], *, pipelined: bool = True) ->
     results: list[Any] = []
     for call, reply in zip(calls, replies, strict=True):
         if isinstance(reply, redis.exceptions.NoScriptError):
-            results.append(_result_of(client, call))  # Script reloads it; it never ran the first time.
+            results.append(result_of(client, call))  # Script reloads it; it never ran the first time.
         elif isinstance(reply, Exception):
             results.append(translate(reply, call.queue))
         else:
@@ -247,7 +247,7 @@ def run_calls(client, calls: Sequence[ScriptCall], *, pipelined: bool = True) ->
     return results
 
 
-def _result_of(client, call: ScriptCall) -> Any:
+def result_of(client, call: ScriptCall) -> Any:
     """A call's reply, or the exception it raised; a lost connection still raises."""
     try:
         return run_call(client, call)

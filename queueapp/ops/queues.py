@@ -5,17 +5,27 @@ Which queues there are is :func:`queueapp.broker_reads.known_queues`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from broker_ext.records import QueueStats
 from queueapp.broker_reads import bounded_channel, known_queues
 
 
-def queue_stats(app, queues: list[str] | None = None) -> list[QueueStats]:
-    """One consistent snapshot per queue (one script call each), for the Queues page and ``queue_status``."""
+def queue_stats(app, queues: list[str] | None = None, *, shards: bool = False) -> list[QueueStats]:
+    """One consistent snapshot per queue (one script call each), for the Queues page and ``queue_status``.
+
+    A sharded queue is one row, the sum over its shards; with ``shards``, each
+    shard's own row follows it, named ``queue[i]``.
+    """
     with bounded_channel(app) as channel:
         names = queues if queues else known_queues(app, channel)
-        return [channel.fenced_queue(name).stats() for name in names]
+        rows = []
+        for name in names:
+            queue = channel.fenced_queue(name)
+            rows.append(queue.stats())
+            if shards and len(queue.shards) > 1:
+                rows += [replace(shard.stats(), queue=f"{name}[{shard.shard}]") for shard in queue.shards]
+        return rows
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def celery_app(fenced_url, redis_server):
     forget_backend(app)
     yield app
     reset_connections(app)
+    app.conf.broker_transport_options = {}  # A test's options (cluster, shards) must not reach the next user.
     forget_backend(app)
 
 

@@ -42,7 +42,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def private_redis(settings, redis_server, redis_db, fenced_url) -> Iterator[None]:
-    """Point the cache and the project's Celery app at this test's private Redis database."""
+    """Point the cache and the project's Celery app at this test's private Redis database.
+
+    The outages the ops reads remember are forgotten before and after: they are
+    kept per server address, which every test's private database shares.
+    """
+    from queueapp import broker_reads
     from settings.celery import app
 
     settings.CACHES = {
@@ -54,7 +59,9 @@ def private_redis(settings, redis_server, redis_db, fenced_url) -> Iterator[None
     reset_connections(app)
     app.conf.broker_url = fenced_url
     app.conf.task_always_eager = False
+    broker_reads._outages.clear()
     yield
+    broker_reads._outages.clear()
     reset_connections(app)
 
 

@@ -172,5 +172,24 @@ def test_the_command_says_what_it_would_move_and_refuses_what_is_not_a_stock_bro
         call_command("adopt_stock_queues", "--from", stock_url.replace("redis", "fenced"))
     with pytest.raises(CommandError, match="not options of the stock"):
         call_command("adopt_stock_queues", "--from", stock_url, "--transport-options", '{"lease_timeout": 5}')
-    with pytest.raises(CommandError, match="run it again: nothing moves twice"):
+    port = free_port()
+    with pytest.raises(CommandError, match=f"stock Redis at 127.0.0.1:{port}/0 failed.*run it again"):
+        call_command("adopt_stock_queues", "--from", f"redis://127.0.0.1:{port}/0")
+
+
+@pytest.mark.django_db
+def test_an_unreachable_stock_redis_is_not_remembered_as_an_outage_of_the_fenced_broker(
+    redis_server, admin_client
+):
+    """The admin still reads the healthy fenced broker at once, not "unreachable since" for a while."""
+    from django.core.management import CommandError, call_command
+    from django.urls import reverse
+
+    from lab.redis_servers import free_port
+    from queueapp import broker_reads
+
+    with pytest.raises(CommandError):
         call_command("adopt_stock_queues", "--from", f"redis://127.0.0.1:{free_port()}/0")
+    assert broker_reads.current_outage(f"127.0.0.1:{redis_server.port}") is None
+    response = admin_client.get(reverse("admin:queueapp_taskoutcome_queues"))
+    assert "unreachable" not in response.content.decode()

@@ -88,8 +88,11 @@ class Command(BaseCommand):
             transport_options={**stock_options, "socket_timeout": timeout, "socket_connect_timeout": timeout},
         )
         try:
+            # The stock Redis first, outside the fenced channel: bounded_channel remembers any error in its
+            # block as an outage of the fenced broker, which would name the wrong Redis and fail the admin's
+            # reads of a healthy broker for a while.
+            stock_connection.ensure_connection(max_retries=0, timeout=timeout)  # once, bounded
             with bounded_channel(app) as fenced:
-                stock_connection.ensure_connection(max_retries=0, timeout=timeout)  # once, bounded
                 report = self._move(app, stock_connection, fenced, options)
         except BrokerUnavailable as exc:
             raise broker_error(exc, "stopped (run it again: nothing moves twice): ") from exc

@@ -30,12 +30,17 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("--queue", action="append", default=[], help="only this queue (repeatable)")
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
+        parser.add_argument(
+            "--shards",
+            action="store_true",
+            help="after a sharded queue's row (the sum over its shards), one row per shard: queue[i]",
+        )
 
-    def handle(self, *args, queue: list[str], as_json: bool, **options) -> None:
+    def handle(self, *args, queue: list[str], as_json: bool, shards: bool = False, **options) -> None:
         app = current_app._get_current_object()
         check_queues(app, queue)
         try:
-            stats = queue_stats(app, queue or None)
+            stats = queue_stats(app, queue or None, shards=shards)
         except BrokerUnavailable as exc:
             raise broker_error(exc) from exc
         if as_json:

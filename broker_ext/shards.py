@@ -1,0 +1,166 @@
+"""The shard layout of a queue spread over several hash slots (transport option ``queue_shards``).
+
+One queue lives in one slot, so it can use one Redis core whatever the
+cluster's size. A sharded queue is n fenced queues under n hash tags, one
+logical queue to Kombu, Celery and the operator tools. The tags are chosen,
+not left to chance: shard 0 keeps the queue's own tag (an unsharded queue is
+its shard 0, so its messages stay where they are), and shard i goes to the
+master ``i`` places after shard 0's in the cluster's list of masters, with a
+tag whose CRC16 slot that master owns (a few tries each). Shards beyond the
+number of masters share the exact slot of the first shard on their master,
+so that one BZPOPMIN per master waits on all of that master's shards. On a
+single Redis any tags do.
+
+The layout is computed once and kept in Redis (``fenced:{T}:shards``, in
+shard 0's slot), and every client reads it from there: publishers and
+consumers agree whatever slot map each one saw, and a resharded cluster keeps
+the tags (the slots move, and the spread over masters is then the one the
+resharding made). A client configured with another n than the stored one
+rewrites the layout only while every shard is empty; otherwise it refuses
+with :class:`~broker_ext.errors.ConfigurationError`: a message must never sit
+in a shard nobody claims from, and a dedup key must keep meeting its twin in
+one shard. The one change allowed on a queue holding messages is from
+unsharded to sharded: the old queue is shard 0 of the new layout.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from redis.crc import key_slot
+
+from broker_ext.errors import ConfigurationError
+from broker_ext.keys import SHARD_MARK, QueueKeys, hash_tag
+
+#: Slot owners: for each slot, the name of the master that owns it (``host:port``).
+SlotOwners = Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The tags of a queue's shards, shard 0 first (its own tag)."""
+
+    queue: str
+    tags: tuple[str, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.tags)
+
+    def to_json(self) -> str:
+        return json.dumps({"n": self.count, "tags": list(self.tags)})
+
+    @classmethod
+    def parse(cls, queue: str, raw: bytes | str | None) -> ShardLayout | None:
+        """The stored layout, or ``None`` when there is none (or it is not one)."""
+        if not raw:
+            return None
+        try:
+            value = json.loads(raw)
+            tags = tuple(str(tag) for tag in value["tags"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        return cls(queue, tags) if tags and tags[0] == hash_tag(queue) else None
+
+
+def unsharded(queue: str) -> ShardLayout:
+    return ShardLayout(queue, (hash_tag(queue),))
+
+
+def shard_index(key: str, count: int) -> int:
+    """The shard a message goes to: a stable hash of its dedup key, or else of its message id.
+
+    A resent or deduplicated publish hashes the same, so it meets its twin in
+    one slot, in one script; one dedup key keeps its order in one shard.
+    """
+    return zlib.crc32(key.encode()) % count if count > 1 else 0
+
+
+def _slot(tag: str) -> int:
+    return key_slot(f"{{{tag}}}".encode())
+
+
+def plan(queue: str, count: int, masters: Sequence[str] | None, owner: SlotOwners | None) -> ShardLayout:
+    """Choose ``count`` tags for ``queue``: each on a different master while there are masters left.
+
+    ``masters``: the cluster's masters in a stable order; ``owner(slot)``
+    the master that owns a slot. ``None`` for a single Redis: any tags.
+    """
+    base = hash_tag(queue)
+    if count <= 1:
+        return unsharded(queue)
+    if not masters or owner is None:
+        return ShardLayout(queue, (base, *(f"{base}{SHARD_MARK}{i}" for i in range(1, count))))
+    order = list(masters)
+    start = order.index(owner(_slot(base))) if owner(_slot(base)) in order else 0
+    tags = [base]
+    first_slot = {order[start]: _slot(base)}
+    for i in range(1, count):
+        master = order[(start + i) % len(order)]
+        wanted = first_slot.get(master)
+        salt = 0
+        while True:
+            tag = f"{base}{SHARD_MARK}{i}.{salt}"
+            slot = _slot(tag)
+            if (slot == wanted) if wanted is not None else (owner(slot) == master):
+                break
+            salt += 1
+        first_slot.setdefault(master, slot)
+        tags.append(tag)
+    return ShardLayout(queue, tuple(tags))
+
+
+def cluster_map(client) -> tuple[list[str], SlotOwners] | tuple[None, None]:
+    """The masters of a cluster client and who owns each slot (``(None, None)`` on a single Redis)."""
+    nodes_manager = getattr(client, "nodes_manager", None)
+    if nodes_manager is None:
+        return None, None
+    slots = nodes_manager.slots_cache
+    masters = sorted({nodes[0].name for nodes in slots.values() if nodes})
+    return masters, lambda slot: slots[slot][0].name if slots.get(slot) else ""
+
+
+def load_layout(
+    client,
+    queue: str,
+    count: int | None,
+    *,
+    prefix: str = "",
+    holds_messages: Callable[[ShardLayout], bool],
+) -> ShardLayout:
+    """The layout of ``queue``: the stored one, or a new one of ``count`` shards stored now.
+
+    ``count`` ``None`` (the queue's ``queue_shards`` unset): the stored layout,
+    or one shard when none is stored; nothing is written.
+
+    A stored layout of another size is replaced only while ``holds_messages``
+    says its shards are all empty; otherwise this raises ConfigurationError.
+    An unsharded queue that holds messages may become sharded: it is shard 0
+    of the new layout, so its messages stay where consumers claim.
+    """
+    key = QueueKeys(queue, prefix).shards
+    stored = ShardLayout.parse(queue, client.get(key))
+    if count is None:
+        return stored or unsharded(queue)
+    if stored is None and count <= 1:
+        return unsharded(queue)
+    if stored is not None and stored.count == count:
+        return stored
+    if stored is not None and holds_messages(stored):
+        raise ConfigurationError(
+            f"queue {queue!r} is sharded over {stored.count} slots and holds messages; queue_shards "
+            f"asks for {count}: drain the queue first (or keep queue_shards at {stored.count} for it). "
+            "Nothing was changed."
+        )
+    layout = plan(queue, count, *cluster_map(client))
+    if count <= 1:
+        client.delete(key)
+        return layout
+    if stored is None:
+        client.set(key, layout.to_json(), nx=True)
+        return ShardLayout.parse(queue, client.get(key)) or layout
+    client.set(key, layout.to_json())
+    return layout

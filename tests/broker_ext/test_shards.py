@@ -1,0 +1,400 @@
+"""A hot queue sharded over several hash slots (``queue_shards``), on a 3-master cluster and a single Redis.
+
+Each test proves one point of the sharded queue's contract: the tags land
+on distinct masters, publish picks the shard by dedup key or message id,
+claims take from every shard with one round trip per node, an idle consumer
+wakes for a publish on any shard, the operator's views see the logical
+queue, a Celery worker consumes every shard, and a change of n for a queue
+holding messages is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from collections import Counter
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from redis.crc import key_slot
+
+from broker_ext import nodes
+from broker_ext.errors import ConfigurationError, Reply
+from broker_ext.options import check
+from broker_ext.qos import by_shard
+from broker_ext.records import OutgoingMessage, Place
+from broker_ext.scripts import SCRIPT_NAMES, source
+from broker_ext.shards import plan, shard_index
+from lab.bench.cost import RoundTrips
+from lab.processes import wait_for
+from tests.helpers import reset_connections, runs
+
+CLUSTER = {"cluster": True, "lease_timeout": 2}
+#: A stored Kombu envelope a consumer can take.
+BODY = json.dumps({"body": "", "properties": {}, "headers": {}}).encode()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def where(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def connect(request, where):
+    """Connections to a single Redis (this test's database) or to the session's 3-master cluster."""
+    if where == "single":
+        url, base = request.getfixturevalue("fenced_url"), {"lease_timeout": 2}
+    else:
+        url, base = request.getfixturevalue("cluster_url"), CLUSTER
+    connections: list[Connection] = []
+
+    def make(**options) -> Connection:
+        conn = Connection(url, transport_options={**base, **options})
+        connections.append(conn)
+        return conn
+
+    yield make
+    for conn in connections:
+        conn.release()
+
+
+def ids_for_shards(count: int, per_shard: int, prefix: str = "m") -> list[str]:
+    """Message ids that hash ``per_shard`` to each of ``count`` shards, shard by shard in turn."""
+    by_shard: dict[int, list[str]] = {i: [] for i in range(count)}
+    n = 0
+    while any(len(ids) < per_shard for ids in by_shard.values()):
+        message_id = f"{prefix}{n}"
+        shard = shard_index(message_id, count)
+        if len(by_shard[shard]) < per_shard:
+            by_shard[shard].append(message_id)
+        n += 1
+    return [by_shard[i][j] for j in range(per_shard) for i in range(count)]
+
+
+def test_the_option_takes_a_number_or_a_dict_of_numbers_and_refuses_anything_else():
+    check({"queue_shards": 6})
+    check({"queue_shards": {"hot": 3}})
+    for bad in (0, 65, "3", 2.0, True, {"hot": 0}, {"": 2}, {"hot": "2"}):
+        with pytest.raises(ConfigurationError, match="queue_shards"):
+            check({"queue_shards": bad})
+
+
+def test_the_shards_land_on_distinct_masters_and_extra_shards_share_their_master_s_slot(
+    cluster_url, redis_cluster
+):
+    conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 3, "hotter": 6}})
+    try:
+        channel = conn.channel()
+        three = channel.fenced_queue("hot").shards
+        assert len({redis_cluster.master_for(s.keys.wake).port for s in three}) == 3
+        six = channel.fenced_queue("hotter").shards
+        masters = Counter(redis_cluster.master_for(s.keys.wake).port for s in six)
+        assert sorted(masters.values()) == [2, 2, 2]
+        slot = redis_cluster.nodes[0].client().cluster
+        slots = [slot("keyslot", s.keys.wake) for s in six]
+        assert [slots[i] == slots[i + 3] for i in range(3)] == [True] * 3
+        assert len(set(slots)) == 3
+        assert six[0].keys.wake == channel.fenced_queue("hotter").keys.wake  # shard 0: the queue's own tag
+    finally:
+        conn.release()
+
+
+def test_publish_picks_the_shard_by_dedup_key_else_message_id_and_a_resend_meets_its_twin(connect):
+    channel = connect(queue_shards=3).channel()
+    queue = channel.fenced_queue("hot")
+    ids = ids_for_shards(3, 2)
+    assert queue.publish([OutgoingMessage(mid, BODY) for mid in ids]) == [Reply.OK] * 6
+    found = queue.locate(ids)
+    assert [found[mid].shard for mid in ids] == [shard_index(mid, 3) for mid in ids] == [0, 1, 2] * 2
+    assert [s.stats().ready for s in queue.shards] == [2, 2, 2]
+    assert queue.publish([OutgoingMessage(ids[1], BODY)]) == [Reply.DUPLICATE]  # a resend, same shard
+
+    twins = [
+        OutgoingMessage(f"charge-{n}", BODY, dedup_key="charge:42", dedup_window_ms=60_000) for n in range(4)
+    ]
+    replies = [queue.publish([twin])[0] for twin in twins]
+    assert replies == [Reply.OK, Reply.DEDUPLICATED, Reply.DEDUPLICATED, Reply.DEDUPLICATED]
+    expected = queue.shards[shard_index("charge:42", 3)]
+    assert expected.locate(["charge-0"])["charge-0"].place is Place.READY
+    assert queue.stats().ready == 7
+
+
+def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_their_acks_extends_too(
+    connect, where, request
+):
+    channel = connect(queue_shards=3).channel()
+    queue = channel.fenced_queue("hot")
+    queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 10)])
+    ports = _ports(request, where)
+
+    for port in ports:  # Warm: every script loaded on every node (a first call pays SCRIPT LOAD).
+        for name in SCRIPT_NAMES:
+            redis.Redis(port=port).script_load(source(name))
+    claimed = queue.claim(3)
+    with _round_trips(ports) as trips:
+        claimed += queue.claim(6)
+    assert Counter(item.delivery.shard for item in claimed) == {0: 3, 1: 3, 2: 3}
+    assert sorted(t.count for t in trips) == ([1] if where == "single" else [1, 1, 1])
+
+    deliveries = [item.delivery for item in claimed]
+    extend = [channel.shard_queue(*key).extend_call(group) for key, group in by_shard(deliveries).items()]
+    with _round_trips(ports) as trips:
+        assert [reply for replies in channel.run_calls(extend) for reply in replies] == [Reply.OK] * 9
+    assert sorted(t.count for t in trips) == ([1] if where == "single" else [1, 1, 1])
+
+    for delivery in deliveries:
+        channel.qos.buffer_acks([delivery])
+    scripts_before = _script_calls(ports)
+    with _round_trips(ports) as trips:
+        payloads = channel.claim("hot", 3)  # each shard's buffered acks travel inside its claim
+    assert len(payloads) == 3 and sorted(t.count for t in trips) == ([1] if where == "single" else [1, 1, 1])
+    assert _script_calls(ports) - scripts_before == 3  # three claims, no ack call of their own
+    assert queue.stats().counters.get("acked") == 9
+    # One message at a time (prefetch 1), the claims still go round the shards.
+    shards = [channel.fenced_queue("hot").claim(1)[0].delivery.shard for _ in range(6)]
+    assert sorted(Counter(shards).values()) == [2, 2, 2]
+
+
+def _ports(request, where) -> list[int]:
+    if where == "single":
+        return [request.getfixturevalue("redis_server").port]
+    return [node.port for node in request.getfixturevalue("redis_cluster").live_nodes()]
+
+
+def _script_calls(ports: list[int]) -> int:
+    """EVALSHA calls the servers on ``ports`` have run (``INFO commandstats``)."""
+    stats = [redis.Redis(port=port).info("commandstats").get("cmdstat_evalsha", {}) for port in ports]
+    return sum(int(entry.get("calls", 0)) for entry in stats)
+
+
+@contextlib.contextmanager
+def _round_trips(ports: list[int]):
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(RoundTrips(port).counting()) for port in ports]
+
+
+@pytest.mark.parametrize("prefix", ["", "app1:"])
+def test_an_idle_consumer_wakes_for_a_publish_on_any_shard_without_waiting_a_poll(connect, where, prefix):
+    """The consumer's poll interval is 30 s: a delivery within 5 s was woken, not polled (with a
+    ``global_keyprefix`` too, which Kombu's client strips from the BZPOPMIN reply)."""
+    if where == "cluster" and prefix:
+        pytest.skip(
+            "a declare with global_keyprefix on a cluster fails in Kombu's queue_bind, sharded or not"
+        )
+    conn = connect(queue_shards=3, polling_interval=30, global_keyprefix=prefix)
+    queue = Queue("hot", Exchange("hot"), routing_key="hot")
+    producer_conn = connect(queue_shards=3, global_keyprefix=prefix)
+    producer = Producer(producer_conn.channel())
+    producer.publish({"n": -1}, exchange=queue.exchange, routing_key="hot", declare=[queue])
+    got: list[int] = []
+    with Consumer(
+        conn.channel(), [queue], callbacks=[lambda b, m: (got.append(b["n"]), m.ack())], prefetch_count=1
+    ):
+        _drain(conn, lambda: got == [-1], 10)
+        time.sleep(0.5)  # idle: blocked on its markers (and the relays on theirs)
+        for n, message_id in enumerate(ids_for_shards(3, 1, prefix="wake")):
+            started = time.monotonic()
+            producer.publish(
+                {"n": n}, exchange=queue.exchange, routing_key="hot", message_id=message_id, delivery_mode=2
+            )
+            _drain(conn, lambda n=n: n in got, 10)
+            assert n in got and time.monotonic() - started < 5, (n, got)
+
+
+def _drain(conn: Connection, done, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.5)
+
+
+def test_dead_letters_reclaim_delayed_priorities_and_requeue_see_the_logical_queue(connect):
+    channel = connect(queue_shards=3, max_deliveries=1).channel()
+    queue = channel.fenced_queue("hot")
+    ids = ids_for_shards(3, 2, prefix="v")
+    queue.publish([OutgoingMessage(mid, BODY, priority=9) for mid in ids[3:]])
+    queue.publish([OutgoingMessage(mid, BODY, priority=0) for mid in ids[:3]])
+    queue.publish([OutgoingMessage(f"later-{n}", BODY, delay_ms=60_000) for n in range(3)])
+    assert (queue.stats().ready, queue.stats().delayed) == (6, 3)
+    assert {mid for mid, _ in queue.delayed_ids(10)} == {f"later-{n}" for n in range(3)}
+
+    first = queue.claim(3)  # each shard's first priority (0) first
+    assert sorted(item.delivery.message_id for item in first) == sorted(ids[:3])
+    assert queue.dead_letter([first[0].delivery], "poisoned") == [Reply.DEAD_LETTERED]
+    assert queue.requeue([first[1].delivery], counted=False) == [Reply.OK]
+    rest = queue.claim(10)  # the requeued one and the three of priority 9; its lease of 2 s lapses
+    assert len(rest) == 4 and queue.stats().leased == 5
+    assert wait_for(lambda: queue.stats().expired_leases == 5, timeout=10)
+    result = queue.reclaim()
+    assert (result.reclaimed, len(result.dead_lettered)) == (0, 5)  # max_deliveries 1: all out of deliveries
+    stats = queue.stats()
+    assert (stats.ready, stats.leased, stats.dead) == (0, 0, 6)
+    assert {letter.message_id for letter in queue.dead_letters(10)} == set(ids)
+    assert len(queue.dead_ids()) == 6 and len(queue.dead_reasons()) == 6
+
+    revived = queue.revive(ids)  # an operator's requeue by id finds each in its shard
+    assert revived == [Reply.OK] * 6 and queue.stats().ready == 6
+    assert all(state.place is Place.READY for state in queue.locate(ids).values())
+
+
+@pytest.mark.django_db
+def test_queue_status_and_metrics_show_the_logical_queue_and_queue_status_each_shard_with_shards(
+    redis_server, redis_db, settings
+):
+    from django.core.management import call_command
+
+    from queueapp.metrics import broker_snapshot
+    from settings.celery import app
+
+    reset_connections(app)
+    app.conf.broker_url = f"fenced://127.0.0.1:{redis_server.port}/{redis_db}"
+    app.conf.broker_transport_options = {"queue_shards": {"hot": 3}}
+    try:
+        with app.connection_for_write() as conn:
+            queue = conn.default_channel.fenced_queue("hot")
+            queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 2)])
+        app.conf.broker_transport_options = {}  # the tools read the layout Redis keeps
+        reset_connections(app)
+        out = io.StringIO()
+        call_command("queue_status", "--queue", "hot", "--shards", "--json", stdout=out)
+        rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
+        assert rows == {"hot": 6, "hot[0]": 2, "hot[1]": 2, "hot[2]": 2}
+        out = io.StringIO()
+        call_command("queue_status", "--json", stdout=out)  # every queue found in Redis: shards are "hot"
+        rows = {row["queue"]: row["ready"] for row in json.loads(out.getvalue())}
+        assert rows["hot"] == 6 and not [name for name in rows if name.startswith("hot") and name != "hot"]
+        snapshot = broker_snapshot(app)  # what /metrics reports
+        assert [(stats.queue, stats.ready) for stats in snapshot.stats if stats.queue.startswith("hot")] == [
+            ("hot", 6)
+        ]
+    finally:
+        reset_connections(app)
+
+
+def test_changing_n_of_a_queue_holding_messages_is_refused_and_allowed_once_it_is_empty(connect):
+    queue = connect(queue_shards=3).channel().fenced_queue("hot")
+    queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 1)])
+    with pytest.raises(
+        ConfigurationError, match=r"sharded over 3 slots and holds messages.*Nothing was changed"
+    ):
+        connect(queue_shards=2).channel().fenced_queue("hot")
+    assert connect().channel().fenced_queue("hot").stats().ready == 3  # unset: the stored layout
+    for item in queue.claim(3):
+        queue.ack([item.delivery])
+    assert len(connect(queue_shards=2).channel().fenced_queue("hot").shards) == 2
+
+
+def test_an_unsharded_queue_holding_messages_becomes_shard_0_of_its_new_layout(connect):
+    plain = connect().channel().fenced_queue("hot")
+    plain.publish([OutgoingMessage(f"old-{n}", BODY) for n in range(4)])
+    queue = connect(queue_shards=3).channel().fenced_queue("hot")
+    queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 1)])
+    assert queue.shards[0].keys.ready == plain.keys.ready
+    claimed = {item.delivery.message_id for item in queue.claim(10) + queue.claim(10)}
+    assert {f"old-{n}" for n in range(4)} <= claimed and len(claimed) == 7
+
+
+def test_a_celery_worker_consuming_the_queue_runs_the_tasks_of_every_shard_and_wakes_for_each(
+    where, request, celery_app, start_worker, record
+):
+    """``-Q tests`` with the queue over 3 shards; idle, with a 30 s poll, it wakes for a task on any shard."""
+    from tests.broker_ext.worker_app import record_run
+
+    url = request.getfixturevalue("fenced_url" if where == "single" else "cluster_url")
+    options = {"queue_shards": {"tests": 3}, **({"cluster": True} if where == "cluster" else {})}
+    reset_connections(celery_app)
+    celery_app.conf.broker_url = url
+    celery_app.conf.broker_transport_options = options
+    worker = start_worker(broker_url=url, transport_options={**options, "polling_interval": 30}, prefetch=1)
+    for n in range(30):
+        record_run.delay(n)
+
+    def shard_stats():
+        with Connection(url, transport_options=options) as conn:
+            return [s.as_dict() for s in conn.default_channel.fenced_queue("tests").shard_stats()]
+
+    assert wait_for(lambda: record.llen("finished") >= 30, timeout=60), (
+        record.llen("finished"),
+        shard_stats(),
+    )
+    time.sleep(1)  # idle now: blocked on its markers (and, on the cluster, its relays on theirs)
+    for n in (100, 101, 102):  # a task on shard 0, then 1, then 2 (its message id is "<task id>.0")
+        task_id = next(f"{n}-{i}" for i in range(1000) if shard_index(f"{n}-{i}.0", 3) == n - 100)
+        started = time.monotonic()
+        record_run.apply_async((n,), task_id=task_id)
+        assert wait_for(lambda n=n: n in [run["n"] for run in runs(record)], timeout=10), worker.output()[
+            -3000:
+        ]
+        assert time.monotonic() - started < 5
+    assert sorted(run["n"] for run in runs(record)) == [*range(30), 100, 101, 102]
+    with Connection(url, transport_options=options) as conn:
+        queue = conn.default_channel.fenced_queue("tests")
+        published = [shard.stats().counters.get("published", 0) for shard in queue.shards]
+        assert len(published) == 3 and all(published), published
+        assert wait_for(lambda: queue.stats().leased == 0, timeout=10)
+
+
+def test_after_resharding_the_stored_tags_stay_and_calls_grouped_per_node_follow_moved(
+    cluster_url, redis_cluster, monkeypatch
+):
+    """A shard's slot moves to another master: the layout keeps its tags, a client whose slot map is
+    stale has that shard's calls redirected (MOVED) and sent again, and nothing is lost or doubled."""
+    options = {**CLUSTER, "queue_shards": {"resharded": 3}}
+    conn = Connection(cluster_url, transport_options=options)
+    try:
+        channel = conn.channel()
+        queue = channel.fenced_queue("resharded")
+        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 4)])
+        first = [item.delivery for item in queue.claim(3)]
+        moved = queue.shards[1]
+        slot = redis_cluster.nodes[0].client().cluster("keyslot", moved.keys.wake)
+        source = redis_cluster.master_for(moved.keys.wake)
+        target = redis_cluster.master_for(queue.shards[2].keys.wake)
+        source_id, target_id = source.client().cluster("myid"), target.client().cluster("myid")
+        target.client().cluster("setslot", slot, "importing", source_id)
+        source.client().cluster("setslot", slot, "migrating", target_id)
+        source.client().migrate(
+            "127.0.0.1", target.port, source.client().cluster("getkeysinslot", slot, 1000), 0, 5000
+        )
+        for node in redis_cluster.live_nodes():
+            node.client().cluster("setslot", slot, "node", target_id)
+
+        redirected: list[bool] = []
+        original = nodes._redirected
+        monkeypatch.setattr(
+            nodes, "_redirected", lambda reply: redirected.append(original(reply)) or original(reply)
+        )
+        assert queue.ack(first) == [Reply.OK] * 3
+        assert True in redirected  # shard 1's ack met MOVED on the node the stale map named, then went on
+        rest = queue.claim(20)
+        assert len(rest) == 9 and queue.ack([item.delivery for item in rest]) == [Reply.OK] * 9
+        assert queue.stats().counters["acked"] == 12
+
+        again = Connection(cluster_url, transport_options=options)
+        try:
+            tags = [shard.keys.wake for shard in again.channel().fenced_queue("resharded").shards]
+        finally:
+            again.release()
+        assert tags == [shard.keys.wake for shard in queue.shards]
+    finally:
+        conn.release()
+
+
+def test_the_plan_puts_each_shard_on_the_next_master_and_any_tags_do_on_a_single_redis():
+    """The tag choice alone, on a slot map of 5 masters (each owning a fifth of the slots)."""
+    masters = [f"10.0.0.{i}:6379" for i in range(5)]
+
+    def owner(slot: int) -> str:
+        return masters[slot * 5 // 16384]
+
+    layout = plan("orders", 5, masters, owner)
+    owners = [owner(key_slot(f"{{{tag}}}".encode())) for tag in layout.tags]
+    start = masters.index(owners[0])
+    assert owners == [masters[(start + i) % 5] for i in range(5)]
+    assert layout.tags[0] == "orders"
+    single = plan("orders", 4, None, None)
+    assert len(set(single.tags)) == 4 and single.tags[0] == "orders"
+    assert plan("orders", 1, masters, owner).tags == ("orders",)
