@@ -41,7 +41,7 @@ from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import ScriptCall, register
 from broker_ext.sharded_queue import ShardedQueue
-from broker_ext.shards import LAYOUT_RECHECK, ShardLayout, load_layout
+from broker_ext.shards import LAYOUT_RECHECK, ShardLayout, load_layout, numbered
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +179,7 @@ class Channel(Consuming, kombu_redis.Channel):
 
     def shard_queue(self, name: str, shard: int = 0) -> FencedQueue:
         """Shard ``shard`` of queue ``name`` (the queue itself when it has one shard)."""
-        shards = self.fenced_queue(name).shards
-        return shards[shard] if shard < len(shards) else shards[0]
+        return numbered(self.fenced_queue(name).shards, name, shard)
 
     def run_calls(self, calls: list[ScriptCall]) -> list:
         """Run script calls of any queues (and shards) in one round trip per node."""

@@ -34,7 +34,7 @@ from broker_ext.records import (
     RequeueEntry,
 )
 from broker_ext.scripts import ScriptCall
-from broker_ext.shards import ShardLayout, shard_index
+from broker_ext.shards import ShardLayout, numbered, shard_index
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ShardedQueue:
         return next((shard.shard for shard in self.shards if shard.keys.wake.endswith(key)), None)
 
     def shard_for(self, delivery: Delivery) -> FencedQueue:
-        return self.shards[delivery.shard] if delivery.shard < len(self.shards) else self.shards[0]
+        return numbered(self.shards, self.name, delivery.shard)
 
     # -- publish -------------------------------------------------------------------------
 

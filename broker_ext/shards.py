@@ -5,7 +5,8 @@ cluster's size. A sharded queue is n fenced queues under n hash tags, one
 logical queue to Kombu, Celery and the operator tools. The tags are chosen,
 not left to chance: shard 0 keeps the queue's own tag (an unsharded queue is
 its shard 0, so its messages stay where they are), and shard i goes to the
-master ``i`` places after shard 0's in the cluster's list of masters, with a
+master ``i`` places after shard 0's in the cluster's masters (ordered by the
+slots they own, so a failover does not change the plan), with a
 tag whose CRC16 slot that master owns (a few tries each). Shards beyond the
 number of masters share the exact slot of the first shard on their master,
 so that one BZPOPMIN per master waits on all of that master's shards. On a
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from redis.crc import key_slot
@@ -39,6 +41,8 @@ from broker_ext.keys import SHARD_MARK, QueueKeys, hash_tag
 #: Seconds between two reads of the stored layout by a client that follows it (``queue_shards`` unset
 #: for the queue): a layout stored later by another client is claimed from within this time.
 LAYOUT_RECHECK = 2.0
+
+T = TypeVar("T")
 
 #: Slot owners: for each slot, the name of the master that owns it (``host:port``).
 SlotOwners = Callable[[int], str]
@@ -69,6 +73,22 @@ class ShardLayout:
         except (ValueError, KeyError, TypeError):
             return None
         return cls(queue, tags) if tags and tags[0] == hash_tag(queue) else None
+
+
+def numbered(shards: Sequence[T], queue: str, shard: int) -> T:
+    """Shard ``shard`` of a queue's ``shards``; a number it does not have raises, never falls back.
+
+    A delivery names the shard it was claimed from: its ack, extend or
+    requeue sent to another shard would miss its lease. Changing n is refused
+    while messages are held, so this raising means the layout changed under a
+    live delivery: the delivery stays leased and is delivered again.
+    """
+    if not 0 <= shard < len(shards):
+        raise ConfigurationError(
+            f"queue {queue!r} has {len(shards)} shard(s) now, but a delivery names shard {shard}: its layout "
+            "changed while the delivery was held; it is left to its lease and delivered again"
+        )
+    return shards[shard]
 
 
 def unsharded(queue: str) -> ShardLayout:
@@ -118,14 +138,27 @@ def plan(queue: str, count: int, masters: Sequence[str] | None, owner: SlotOwner
     return ShardLayout(queue, tuple(tags))
 
 
+def masters_in_slot_order(owners: Mapping[int, str]) -> list[str]:
+    """The masters of a slot map (slot -> master), ordered by the lowest slot each owns.
+
+    Not by address: a failover moves a master's slots to its replica
+    unchanged, so a layout planned again after one (its key lost with the old
+    master) comes out the same.
+    """
+    lowest: dict[str, int] = {}
+    for slot, name in owners.items():
+        lowest[name] = min(slot, lowest.get(name, slot))
+    return sorted(lowest, key=lowest.__getitem__)
+
+
 def cluster_map(client) -> tuple[list[str], SlotOwners] | tuple[None, None]:
-    """The masters of a cluster client and who owns each slot (``(None, None)`` on a single Redis)."""
+    """The masters of a cluster client (:func:`masters_in_slot_order`) and who owns each slot
+    (``(None, None)`` on a single Redis)."""
     nodes_manager = getattr(client, "nodes_manager", None)
     if nodes_manager is None:
         return None, None
-    slots = nodes_manager.slots_cache
-    masters = sorted({nodes[0].name for nodes in slots.values() if nodes})
-    return masters, lambda slot: slots[slot][0].name if slots.get(slot) else ""
+    owners = {slot: nodes[0].name for slot, nodes in nodes_manager.slots_cache.items() if nodes}
+    return masters_in_slot_order(owners), lambda slot: owners.get(slot, "")
 
 
 def _stored(client, queue: str, key: str) -> ShardLayout | None:

@@ -60,7 +60,7 @@ from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
 from broker_ext.keys import QueueKeys
-from lab.bench.core import BenchRun, LoadMeter, Measurement, RedisLoad, redis_cpu
+from lab.bench.core import AckWindow, BenchRun, LoadMeter, Measurement, RedisLoad, redis_cpu
 from lab.bench.kombu_level import body, kombu_queue
 from lab.processes import wait_for
 from lab.redis_servers import RedisCluster
@@ -359,19 +359,7 @@ def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
     queues = bench.queues(f"consume.p{prefetch}", setting)
     total = warmup + messages + prefetch + min(200, messages)
     meter = bench.meter()
-    marks: dict[str, float] = {}
-    count = 0
-
-    def on_message(_body, message) -> None:
-        nonlocal count
-        message.ack()
-        count += 1
-        if count == warmup:
-            marks["start"] = time.perf_counter()
-            meter.start()
-        elif count == warmup + messages:
-            marks["end"] = time.perf_counter()
-            meter.stop()
+    on_message = AckWindow(meter, warmup, messages)
 
     with contextlib.ExitStack() as stack:
         stack.callback(meter.close)
@@ -388,10 +376,10 @@ def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
                     connection, [queue], callbacks=[on_message], prefetch_count=prefetch, accept=["json"]
                 )
             )
-        drain(connections, lambda: count >= total, DRAIN_TIMEOUT + messages / 100, setting.label)
+        drain(connections, lambda: on_message.count >= total, DRAIN_TIMEOUT + messages / 100, setting.label)
         if not wait_for(lambda: settled(bench, connections), timeout=DRAIN_TIMEOUT, interval=0.001):
             raise AssertionError(f"{setting.label}: acks did not all land in {DRAIN_TIMEOUT}s")
-    return Round.of(messages / (marks["end"] - marks["start"]), meter, messages)
+    return Round.of(on_message.rate, meter, messages)
 
 
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:

@@ -253,6 +253,37 @@ class LoadMeter:
         return RedisLoad(calls, usec, seconds, cpu_seconds=cpu, own_cpu_seconds=own_cpu)
 
 
+class AckWindow:
+    """A consumer callback that acks every message and meters the steady window of a drain.
+
+    The meter runs from the ``warmup``-th message to the ``warmup +
+    messages``-th, so neither the start-up nor the tail is in the figure.
+    ``meter`` is anything with ``start()`` and ``stop()``: one server's
+    :class:`LoadMeter` or a cluster's meters.
+    """
+
+    def __init__(self, meter, warmup: int, messages: int) -> None:
+        self.meter, self.warmup, self.messages = meter, warmup, messages
+        self.count = 0
+        self.started = self.ended = 0.0
+        self.load = None
+
+    def __call__(self, _body, message) -> None:
+        message.ack()
+        self.count += 1
+        if self.count == self.warmup:
+            self.started = time.perf_counter()
+            self.meter.start()
+        elif self.count == self.warmup + self.messages:
+            self.ended = time.perf_counter()
+            self.load = self.meter.stop()
+
+    @property
+    def rate(self) -> float:
+        """Messages per second in the window."""
+        return self.messages / (self.ended - self.started)
+
+
 @dataclass(frozen=True)
 class Backlog:
     """One poll of a queue: ``untaken`` messages no consumer has fetched yet, of ``remaining`` not acked."""

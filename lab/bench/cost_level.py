@@ -34,10 +34,6 @@ def _fenced_value(key: str) -> Callable[[dict[str, Measurement]], float | None]:
     return lambda figures: figures[key].values[FENCED]
 
 
-def _ratio(key: str) -> Callable[[dict[str, Measurement]], float | None]:
-    return lambda figures: figures[key].ratio()
-
-
 #: The level's targets, as ``lab.bench.report.Target`` fields (report.py builds them: no import cycle).
 TARGETS: tuple[dict, ...] = (
     {
@@ -74,18 +70,6 @@ TARGETS: tuple[dict, ...] = (
         "threshold": IDLE_CPU_LIMIT_US_PER_S,
         "value": _fenced_value("cost.idle.cpu"),
         "at_most": True,
-    },
-    {
-        "name": "tasks per Redis core, one-by-one + one in flight",
-        "requirement": "fenced >= 1x stock",
-        "threshold": 1.0,
-        "value": _ratio("cost.per_core.one_by_one"),
-    },
-    {
-        "name": "tasks per Redis core, batch + prefetch 100",
-        "requirement": "fenced >= 1.5x stock (the bar BullMQ's level sets against BullMQ)",
-        "threshold": 1.5,
-        "value": _ratio("cost.per_core.batched"),
     },
 )
 

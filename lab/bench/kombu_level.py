@@ -20,7 +20,7 @@ import time
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from lab.bench import profiling
-from lab.bench.core import FENCED, STOCK, BenchRun, LoadMeter, remaining
+from lab.bench.core import FENCED, STOCK, AckWindow, BenchRun, LoadMeter, remaining
 from lab.processes import wait_for
 
 LEVEL = "kombu"
@@ -102,20 +102,7 @@ def consume_once(
     queue = kombu_queue(f"bench.consume.p{prefetch}.{system}")
     warmup = run.sizes.warmup
     total = warmup + messages + prefetch + min(200, messages)  # A tail keeps the window steady.
-    meter = LoadMeter(client, run.harness_cpu().idle_per_s)
-    marks: dict[str, float] = {}
-    count = 0
-
-    def on_message(_body, message) -> None:
-        nonlocal count
-        message.ack()
-        count += 1
-        if count == warmup:
-            marks["start"] = time.perf_counter()
-            meter.start()
-        elif count == warmup + messages:
-            marks["end"] = time.perf_counter()
-            marks["load"] = meter.stop()
+    on_message = AckWindow(LoadMeter(client, run.harness_cpu().idle_per_s), warmup, messages)
 
     try:
         with Connection(run.url(system, db)) as connection:
@@ -126,9 +113,9 @@ def consume_once(
             ):
                 deadline = time.monotonic() + DRAIN_TIMEOUT + messages / 100
                 with profiling.py_spy(profile_dir, os.getpid(), profile or ""):
-                    while count < total:
+                    while on_message.count < total:
                         if time.monotonic() > deadline:
-                            raise TimeoutError(f"{system}: consumed {count} of {total}")
+                            raise TimeoutError(f"{system}: consumed {on_message.count} of {total}")
                         connection.drain_events(timeout=DRAIN_TIMEOUT)
                 last = time.perf_counter()
 
@@ -140,9 +127,7 @@ def consume_once(
                 if not wait_for(settled, timeout=DRAIN_TIMEOUT, interval=0.001):
                     raise AssertionError(f"{system}: acks did not all land in {DRAIN_TIMEOUT}s")
                 settle = time.perf_counter() - last
-        load = marks["load"]
-        rate = messages / (marks["end"] - marks["start"])
-        return rate, {"ack_settle_seconds": round(settle, 4), **load.summary(messages)}
+        return on_message.rate, {"ack_settle_seconds": round(settle, 4), **on_message.load.summary(messages)}
     finally:
         run.release_db(db)
 

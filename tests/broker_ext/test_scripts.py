@@ -203,6 +203,26 @@ def test_a_late_ack_of_another_delivery_after_the_message_was_acked_is_stale(que
     assert queue.ack([new.delivery]) == [Reply.ALREADY_ACKED]
 
 
+@pytest.mark.parametrize("fields", [8, 4])
+def test_an_ack_riding_in_a_claim_reads_a_state_record_of_an_earlier_format(queue, redis_client, fields):
+    """A rolling upgrade: a delivery whose record an earlier version wrote (eight fields, or four
+    without a claim) is acked by its token (and claim) as before, not only the current record's."""
+    queue.publish([message("a"), message("b")])
+    (held,) = queue.claim(1, claim_id="old")
+    token = held.delivery.token
+    if fields == 8:
+        record = f"{token}|1|1|0|0|1|0|old"
+    else:
+        record, held = f"{token}|1|0|1", replace(held, delivery=replace(held.delivery, claim=""))
+    redis_client.hset(queue.keys.state, "a", record)
+    stale = replace(held.delivery, token=token - 1)
+    assert queue.ack_and_claim([stale], 1, wake_next=False, upkeep=False).acked == [Reply.STALE]
+    redis_client.hset(queue.keys.state, "a", record)
+    reply = queue.ack_and_claim([held.delivery], 1, wake_next=False, upkeep=False)
+    assert reply.acked == [Reply.OK]
+    assert redis_client.hget(queue.keys.state, "a") is None
+
+
 def test_a_delivery_is_its_token_and_claim_so_an_equal_token_of_another_claim_is_stale(queue, redis_client):
     """After a failover that lost writes, a token can be handed out twice: the claim id tells them apart."""
     queue.publish([message("a")])
@@ -581,6 +601,65 @@ def test_a_resent_claim_that_carried_acks_answers_them_again_and_leases_nothing_
     assert (first.acked, again.acked) == ([Reply.OK], [Reply.ALREADY_ACKED])
     assert again.claimed == first.claimed
     assert queue.stats().ready == 2
+
+
+@pytest.mark.parametrize(("key_name", "kind"), PUBLISH_KEYS)
+def test_a_batch_publish_meeting_a_key_of_the_wrong_type_takes_back_every_message_it_wrote(
+    queue, redis_client, key_name, kind
+):
+    """A batch takes the general path (one message the straight one): the messages written before the
+    refused command are taken back too, a ready one beside a delayed one, a stored one beside a
+    deduplicated one."""
+    assert queue.publish([message("first", **kind)]) == [Reply.OK]
+    key = getattr(queue.keys, key_name)
+    plant(redis_client, key, key_name)
+    before = snapshot(redis_client)
+    batch = [message("plain"), message("second", **kind), message("third", priority=2)]
+    with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
+        queue.publish(batch)
+    assert snapshot(redis_client) == before
+    redis_client.delete(key)
+    assert queue.publish(batch) == [
+        Reply.OK,
+        Reply.DEDUPLICATED if key_name == "dedups" else Reply.OK,
+        Reply.OK,
+    ]
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one message", "batch"])
+@pytest.mark.parametrize("key_name", ["bodies", "ready", "wake"])
+def test_a_publish_stored_beside_a_live_id_is_taken_back_with_the_live_record_when_refused(
+    queue, redis_client, key_name, batch
+):
+    """Stored beside a live message, a publish rewrites the live record (its publish ids) and writes
+    one of its own: a later refused command puts the live record back as it was."""
+    assert queue.publish([message("live", publish_id="p1")]) == [Reply.OK]
+    key = getattr(queue.keys, key_name)
+    plant(redis_client, key, key_name)
+    before = snapshot(redis_client)
+    publishes = [message("live", publish_id="p2")] + ([message("other")] if batch else [])
+    with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
+        queue.publish(publishes)
+    assert snapshot(redis_client) == before
+    redis_client.delete(key)
+    assert queue.publish(publishes) == [Reply.OK] * len(publishes)
+    assert queue.publish([message("live", publish_id="p2")]) == [Reply.DUPLICATE]
+
+
+def test_a_publish_of_an_acked_id_refuses_an_acks_key_of_the_wrong_type_with_nothing_written(
+    queue, redis_client
+):
+    """An id acked within the done window is looked up in `acks` (its publish ids): a read, before any
+    write, on the one-message path and in a batch."""
+    queue.publish([message("a")])
+    (claimed,) = queue.claim()
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+    plant(redis_client, queue.keys.acks, "acks")
+    before = snapshot(redis_client)
+    for publishes in ([message("a", publish_id="again")], [message("b"), message("a", publish_id="again")]):
+        with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(queue.keys.acks)}"):
+            queue.publish(publishes)
+        assert snapshot(redis_client) == before
 
 
 def test_a_queue_whose_counters_start_now_continues_the_sequence_of_an_earlier_version(queue, redis_client):

@@ -27,7 +27,7 @@ from broker_ext.options import check
 from broker_ext.qos import by_shard
 from broker_ext.records import OutgoingMessage, Place
 from broker_ext.scripts import SCRIPT_NAMES, source
-from broker_ext.shards import plan, shard_index
+from broker_ext.shards import cluster_map, masters_in_slot_order, plan, shard_index
 from broker_ext.wake_relay import WakeRelay
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
@@ -122,6 +122,16 @@ def test_publish_picks_the_shard_by_dedup_key_else_message_id_and_a_resend_meets
     expected = queue.shards[shard_index("charge:42", 3)]
     assert expected.locate(["charge-0"])["charge-0"].place is Place.READY
     assert queue.stats().ready == 7
+
+
+def test_a_shard_number_the_queue_does_not_have_is_refused_not_sent_to_shard_0(connect):
+    """An ack, extend or requeue names the shard its delivery came from; sent to another shard it would
+    miss the lease (and could look like a stale ack), so a number out of the layout raises."""
+    channel = connect(queue_shards=3).channel()
+    assert channel.shard_queue("hot", 2) is channel.fenced_queue("hot").shards[2]
+    for wrong in (3, -1):
+        with pytest.raises(ConfigurationError, match="names shard"):
+            channel.shard_queue("hot", wrong)
 
 
 def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_their_acks_extends_too(
@@ -400,6 +410,25 @@ def test_the_plan_puts_each_shard_on_the_next_master_and_any_tags_do_on_a_single
     single = plan("orders", 4, None, None)
     assert len(set(single.tags)) == 4 and single.tags[0] == "orders"
     assert plan("orders", 1, masters, owner).tags == ("orders",)
+
+
+def test_a_failover_plans_the_same_tags_as_before_it(redis_cluster):
+    """The layout key is written to one master; lost with it in a failover, it is planned again by
+    the first configured client. The promoted replicas own the same slots under other addresses:
+    masters are ordered by their slots, so the plan (and where every shard's messages are) stays."""
+    host, port = redis_cluster.startup_nodes()[0]
+    client = redis.RedisCluster(host=host, port=port)
+    try:
+        masters, owner = cluster_map(client)
+        owners = {slot: owner(slot) for slot in range(16384)}
+    finally:
+        client.close()
+    assert masters == masters_in_slot_order(owners) and len(masters) == 3
+    promoted = {name: f"10.9.9.{9 - i}:7000" for i, name in enumerate(masters)}  # other names, other order
+    after = {slot: promoted[name] for slot, name in owners.items()}
+    planned = plan("orders", 6, masters, owners.__getitem__)
+    assert plan("orders", 6, masters_in_slot_order(after), after.__getitem__) == planned
+    assert len({owners[key_slot(f"{{{tag}}}".encode())] for tag in planned.tags}) == 3
 
 
 def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_leases_extended():

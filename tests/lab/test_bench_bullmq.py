@@ -5,7 +5,7 @@ ci`` on first use) against a private redis-server. Rates at this size are
 noise, so nothing here compares them: the tests prove that each system's
 figures were measured, that the counts are the ones Redis saw (commands per
 message above zero, the scripts' inner commands included, BullMQ's jobs of
-a concurrency-1 span exactly the run's), that the targets are evaluated,
+a consume span exactly the run's at any concurrency), that the targets are evaluated,
 that no harness process outlives the level, and that without Node.js, or
 when ``npm ci`` fails, the level is skipped with its reason.
 """
@@ -90,10 +90,19 @@ def test_commands_per_message_are_counted_with_the_commands_inside_scripts(level
     assert publish["evalsha"] == MESSAGES
 
 
-def test_a_concurrency_1_span_holds_exactly_the_run_s_jobs(level_run):
-    """The harness holds the worker at each mark, so Redis sees exactly ``messages`` jobs done between."""
-    details = figures(level_run)["bullmq.consume.c1"].details[BULLMQ]
+@pytest.mark.parametrize("workload", ["consume.c1", "consume.c100"])
+def test_a_consume_span_holds_exactly_the_run_s_jobs(level_run, workload):
+    """The harness holds its processors at each mark, so Redis sees exactly ``messages`` jobs done between."""
+    details = figures(level_run)[f"bullmq.{workload}"].details[BULLMQ]
     assert details["jobs_done_in_span"] == MESSAGES
+
+
+def test_a_span_far_smaller_than_the_concurrency_still_holds_exactly_its_jobs(level_run):
+    """20 jobs at concurrency 100 (``--quick --messages 20``): none finishes before the start mark."""
+    workload = next(w for w in bullmq_level.WORKLOADS if w.key == "consume.c100")
+    for _ in range(3):
+        _, details = bullmq_level.bullmq_once(level_run, workload, 20)
+        assert details["jobs_done_in_span"] == 20
 
 
 def test_redis_cpu_and_tasks_per_core_are_positive_and_the_bullmq_targets_evaluated(level_run):

@@ -39,16 +39,23 @@ local function finish_read(k, args, first)
     local token, claim = args[first + 3 * (n - 1) + 1], args[first + 3 * (n - 1) + 2]
     local raw, reply = raws[n], nil
     if raw then
-      local s = parse_state(raw)
-      if not s then error({err = 'FENCED CORRUPT ' .. id}) end
-      if string.format('%.0f', s.token) ~= token or s.claim ~= claim then
+      -- A current record whose token is the text given (as %.0f wrote it) is told by one match; any
+      -- other (an older format, a token that differs) is parsed and compared as a number.
+      local tk, _, _, _, _, _, _, cl, pb = string.match(raw, STATE_FIELDS)
+      local current = tk == token and cl == claim
+      if not current then
+        local s = parse_state(raw)
+        if not s then error({err = 'FENCED CORRUPT ' .. id}) end
+        current, pb = string.format('%.0f', s.token) == token and s.claim == claim, s.publish_ids
+      end
+      if not current then
         reply = -2
       elseif seen[id] then
         reply = 2
       else
         reply = 1
         seen[id] = true
-        plan.current[#plan.current + 1] = {id = id, record = token .. '|' .. claim .. '|' .. s.publish_ids}
+        plan.current[#plan.current + 1] = {id = id, record = token .. '|' .. claim .. '|' .. pb}
       end
     else
       local by = by_id[id]

@@ -14,6 +14,7 @@ local function publish_id_known(list, id)
   return nil
 end
 local function publish_ids_with(list, entry)
+  if list == '' then return entry end
   local kept = {}
   for old in string.gmatch(list, '[^,]+') do kept[#kept + 1] = old end
   kept[#kept + 1] = entry

@@ -8,10 +8,11 @@
 -- Records written before the later fields existed ("token|deliveries|priority|queued_ms", and the
 -- eight fields without publish ids) still parse, with no publish ids.
 -- parse_state(text) -> table, or nil when missing or not a state record; format_state(table) -> text.
+-- STATE_FIELDS: the pattern of the current record, its nine fields captured as text.
+local STATE_FIELDS = '^(%d+)|(%d+)|(%d+)|(%d+)|(%d)|(%d+)|(%d+)|(%w*)|([%w_.:@/+=,~%-]*)$'
 local function parse_state(text)
   if not text then return nil end
-  local tk, dl, ch, it, pr, qu, fd, cl, pb = string.match(text,
-    '^(%d+)|(%d+)|(%d+)|(%d+)|(%d)|(%d+)|(%d+)|(%w*)|([%w_.:@/+=,~%-]*)$')
+  local tk, dl, ch, it, pr, qu, fd, cl, pb = string.match(text, STATE_FIELDS)
   if not tk then
     tk, dl, ch, it, pr, qu, fd, cl = string.match(text, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d)|(%d+)|(%d+)|(%w*)$')
     pb = ''
@@ -27,7 +28,6 @@ local function parse_state(text)
           priority = tonumber(pr), queued = qu, first_deadline = 0, claim = '', publish_ids = ''}
 end
 local function format_state(s)
-  return string.format('%.0f', s.token) .. '|' .. s.deliveries .. '|' .. s.charged .. '|'
-    .. s.interrupted .. '|' .. s.priority .. '|' .. s.queued .. '|'
-    .. string.format('%.0f', s.first_deadline) .. '|' .. s.claim .. '|' .. s.publish_ids
+  return string.format('%.0f|%d|%d|%d|%d|%s|%.0f|%s|%s', s.token, s.deliveries, s.charged, s.interrupted,
+    s.priority, s.queued, s.first_deadline, s.claim, s.publish_ids)
 end

@@ -7,10 +7,10 @@
 // The Python side meters Redis (INFO commandstats, INFO cpu) around the measured span only: this
 // process prints "mark start" once connections, scripts and warm-up are done, and "mark end" after
 // the last measured job, and each time waits for a line on stdin, sent once the snapshot is taken.
-// Inside a processor at concurrency 1, that wait holds the worker, so the span holds exactly the
-// measured jobs (the Python side counts the jobs done in the span from Redis, so at concurrency
-// 100, where the other jobs go on, it counts them too). At the end it prints "result <json>": the
-// jobs and seconds of the span as this process saw them (a publish's rate is taken from them).
+// While it waits, a consume holds every processor past the mark (see consume()), so the span holds
+// exactly the measured jobs at any concurrency (the Python side checks this by counting them from
+// Redis). At the end it prints "result <json>": the jobs and seconds of the span as this process
+// saw them (a publish's rate is taken from them).
 import { performance } from 'node:perf_hooks';
 import { createInterface } from 'node:readline';
 import { Queue, Worker } from 'bullmq';
@@ -55,37 +55,63 @@ async function publish(queue) {
 
 async function consume(queue) {
   const { warmup, messages, concurrency } = config;
-  const total = warmup + messages + concurrency + Math.min(200, messages); // A tail keeps the window steady.
-  await addBulk(queue, 0, total);
-  let count = 0;
+  const last = warmup + messages;
+  await addBulk(queue, 0, last + concurrency + Math.min(200, messages)); // A tail keeps the window steady.
+  // Gates held in the processor: a job past the warm-up waits for the start mark's answer, a job
+  // past the measured ones for the end mark's. A mark is printed when the jobs before it have
+  // completed (the 'completed' event follows the job's move in Redis), so at each mark no job can
+  // complete until the meter's snapshot is taken, at any concurrency: the span holds exactly
+  // `messages` jobs, however few and however many run at once.
+  const gate = () => {
+    let open;
+    const opened = new Promise((resolve) => {
+      open = resolve;
+    });
+    return { opened, open };
+  };
+  const startGate = gate();
+  const endGate = gate();
+  let startedJobs = 0;
+  let completed = 0;
   let started = 0;
-  let countAtStart = 0;
   let result = null;
-  let resolveEnd;
-  const ended = new Promise((resolve) => {
-    resolveEnd = resolve;
-  });
+  let failure = null;
+  const ended = gate();
+  const startSpan = async () => {
+    await mark('start');
+    started = performance.now();
+    startGate.open();
+  };
+  const endSpan = async () => {
+    const seconds = (performance.now() - started) / 1000;
+    await mark('end');
+    result = { messages, seconds };
+    endGate.open();
+    ended.open();
+  };
+  const fail = (error) => {
+    failure = error;
+    ended.open();
+  };
+  if (warmup === 0) await startSpan();
   const worker = new Worker(
     config.queue,
     async () => {
-      count += 1;
-      if (count === warmup) {
-        await mark('start');
-        started = performance.now();
-        countAtStart = count;
-      } else if (count === warmup + messages) {
-        const seconds = (performance.now() - started) / 1000;
-        const measured = count - countAtStart;
-        await mark('end');
-        result = { messages: measured, seconds };
-        resolveEnd();
-      }
+      startedJobs += 1;
+      if (startedJobs > last) await endGate.opened;
+      else if (startedJobs > warmup) await startGate.opened;
     },
     { connection, concurrency, autorun: true },
   );
+  worker.on('completed', () => {
+    completed += 1;
+    if (completed === warmup) startSpan().catch(fail);
+    else if (completed === last) endSpan().catch(fail);
+  });
   worker.on('error', (error) => process.stderr.write(`worker error: ${error}\n`));
-  await ended;
+  await ended.opened;
   await worker.close(true);
+  if (failure) throw failure;
   return result;
 }
 
