@@ -38,7 +38,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from broker_ext.consumers import ConsumerRegistry, process_name
-from broker_ext.errors import FencedError, RedisUnavailable, ScriptRefused
+from broker_ext.errors import ConfigurationError, FencedError, RedisUnavailable, ScriptRefused
 from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
@@ -200,11 +200,9 @@ class Consuming:
         fenced = self.fenced_queue(queue)
         plan = fenced.claim_plan(count, first)
         asked = [shard.shard for shard, _ in plan]
-        client = self.fenced_client
-        nodes = {node_of(client, shard.keys.wake) for shard, _ in plan}
+        nodes = {node_of(self.fenced_client, shard.keys.wake) for shard, _ in plan}
         acks = self.qos.pending_acks(
-            carried_by=[(queue, shard) for shard in asked],
-            rides=lambda key: node_of(client, self.shard_queue(*key).keys.wake) in nodes,
+            carried_by=[(queue, shard) for shard in asked], rides=lambda key: self._on_nodes(key, nodes)
         )
         claims = [
             shard.acking_claim_call(
@@ -218,6 +216,14 @@ class Consuming:
         ]
         unasked = [shard for shard in fenced.shards if shard.shard not in asked]
         return PendingClaim(queue, count, acks, claims, unasked, asked)
+
+    def _on_nodes(self, key: tuple[str, int], nodes: set[str]) -> bool:
+        """Whether queue shard ``key`` lives on one of ``nodes`` (a shard the layout no longer has: yes,
+        so that its acks meet the layout's refusal as before, not a wait)."""
+        try:
+            return node_of(self.fenced_client, self.shard_queue(*key).keys.wake) in nodes
+        except ConfigurationError:
+            return True
 
     def _shard_claim(self, shard: FencedQueue, count: int) -> ScriptCall:
         no_ack = shard.name in self._no_ack_queues
