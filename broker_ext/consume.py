@@ -186,7 +186,8 @@ class Consuming:
         """The buffered acks (taken from the QoS) and a claim per shard asked, each carrying its shard's
         acks: one round trip per node. Acks of shards on nodes the claim does not go to stay buffered,
         for a later claim there or the lease keeper's flush (``ack_flush_interval``): no round trip
-        of their own.
+        of their own. So do those of a shard whose slot-mate this claim asks (its turn is the next
+        claim): no script call of their own.
 
         A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
         and promotes only every ``upkeep_interval``; any other claim does.
@@ -201,8 +202,10 @@ class Consuming:
         plan = fenced.claim_plan(count, first)
         asked = [shard.shard for shard, _ in plan]
         nodes = {node_of(self.fenced_client, shard.keys.wake) for shard, _ in plan}
+        waiting = {(queue, shard) for shard in fenced.waiting_turn(asked)}
         acks = self.qos.pending_acks(
-            carried_by=[(queue, shard) for shard in asked], rides=lambda key: self._on_nodes(key, nodes)
+            carried_by=[(queue, shard) for shard in asked],
+            rides=lambda key: key not in waiting and self._on_nodes(key, nodes),
         )
         claims = [
             shard.acking_claim_call(

@@ -195,6 +195,10 @@ class FencedQueue:
         """Which shard a claim asks for how many: all of ``count`` from this one queue."""
         return [(self, count)]
 
+    def waiting_turn(self, asked: Sequence[int]) -> set[int]:
+        """The shards a claim leaves for their slot's next turn: none, for a queue of one shard."""
+        return set()
+
     def claim_call(
         self,
         count: int = 1,

@@ -60,6 +60,7 @@ class ShardedQueue:
         self.name = layout.queue
         self._run = run
         self._rotation = itertools.count()
+        self._slot_groups = layout.slot_groups()
 
     @property
     def options(self):
@@ -110,15 +111,43 @@ class ShardedQueue:
         """How many each shard is asked for in one claim: ``count`` split evenly, starting one shard
         further each time, so that a consumer with a small prefetch still takes from every shard in turn.
         Shards asked for 0 are left out. ``first``: the shard that starts instead (a woken consumer
-        does not pass the shard whose marker it took: that marker would win every next poll)."""
+        does not pass the shard whose marker it took: that marker would win every next poll).
+
+        A claim of at least one message per slot asks one shard per slot (shards sharing a slot
+        share its master): the slot's shards take turns, one claim each, so a claim costs one script
+        call per master, not one per shard, and every shard is still asked within as many claims as
+        its slot has shards."""
         n = len(self.shards)
-        start = first % n if first is not None else next(self._rotation) % n
-        plan = []
-        for offset in range(n):
-            share = count // n + (1 if offset < count % n else 0)
-            if share:
-                plan.append((self.shards[(start + offset) % n], share))
-        return plan
+        turn = first if first is not None else next(self._rotation)
+        groups = self._slot_groups
+        if len(groups) == n or count < len(groups):
+            return self._split(count, [self.shards[(turn + offset) % n] for offset in range(n)])
+        if first is None:
+            start, picked = turn % len(groups), [group[turn % len(group)] for group in groups]
+        else:  # The woken shard's slot starts, with the woken shard; the others at the same place.
+            start = next(i for i, group in enumerate(groups) if first % n in group)
+            place = groups[start].index(first % n)
+            picked = [group[place % len(group)] for group in groups]
+        order = picked[start:] + picked[:start]
+        return self._split(count, [self.shards[shard] for shard in order])
+
+    @staticmethod
+    def _split(count: int, order: list[FencedQueue]) -> list[tuple[FencedQueue, int]]:
+        """``count`` split evenly over ``order``, the first ones taking the remainder; 0s left out."""
+        shares = [count // len(order) + (1 if i < count % len(order) else 0) for i in range(len(order))]
+        return [(shard, share) for shard, share in zip(order, shares, strict=True) if share]
+
+    def waiting_turn(self, asked: Sequence[int]) -> set[int]:
+        """The shards a claim asking ``asked`` leaves for the next turn of their slot: their buffered
+        acks wait for that claim (or the lease keeper's flush), not a call of their own."""
+        asked_set = set(asked)
+        return {
+            shard
+            for group in self._slot_groups
+            if asked_set.intersection(group)
+            for shard in group
+            if shard not in asked_set
+        }
 
     def claim(self, count: int = 1, *, no_ack: bool = False, wake_next: bool = True) -> list[Claimed]:
         """Claim up to ``count`` over the shards; shards left out of the plan are asked only if

@@ -59,6 +59,14 @@ class ShardLayout:
     def count(self) -> int:
         return len(self.tags)
 
+    def slot_groups(self) -> list[list[int]]:
+        """The shard numbers grouped by hash slot, in shard order: shards beyond the number of masters
+        share the slot of the first shard on their master (on a single Redis each is alone)."""
+        groups: dict[int, list[int]] = {}
+        for shard, tag in enumerate(self.tags):
+            groups.setdefault(_slot(tag), []).append(shard)
+        return list(groups.values())
+
     def to_json(self) -> str:
         return json.dumps({"n": self.count, "tags": list(self.tags)})
 
