@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import time
 from collections import Counter
@@ -603,3 +604,76 @@ def test_a_prefetch_1_consumer_of_6_shards_pays_about_a_poll_and_a_claim_per_mes
     per_message = sum(t.count for t in trips) / counted
     assert counted >= 60
     assert per_message <= (1.2 if where == "single" else 2.6), per_message
+
+
+def test_a_prefetch_100_claim_on_6_shards_over_3_masters_is_one_claim_call_per_master_in_turns(
+    redis_cluster, cluster_url
+):
+    """Counted: a claim of 100 asks one shard per master (the shards of a slot take turns), so it is 3
+    script calls, not 6, with the claimed shard's buffered acks inside; over two claims every shard
+    is asked, and no shard is left out of the rotation (nothing stranded): each asked every 2 claims."""
+    conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}})
+    try:
+        channel = conn.channel()
+        queue = channel.fenced_queue("hot")
+        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(6, 60)])
+        ports = [node.port for node in redis_cluster.live_nodes()]
+        for port in ports:  # Warm: every script loaded on every node.
+            for name in SCRIPT_NAMES:
+                redis.Redis(port=port).script_load(source(name))
+        asked: list[list[int]] = []
+        for _ in range(6):
+            plan = queue.claim_plan(100)
+            masters = Counter(redis_cluster.master_for(shard.keys.wake).port for shard, _ in plan)
+            assert len(plan) == 3 and sorted(masters.values()) == [1, 1, 1]
+            assert sum(share for _, share in plan) == 100
+            asked.append(sorted(shard.shard for shard, _ in plan))
+        for first, second in itertools.pairwise(asked):
+            assert sorted(first + second) == list(range(6))  # two claims in a row ask every shard
+        held = [item.delivery for item in queue.claim(60)]
+        assert len(held) == 60
+        channel.qos.buffer_acks([d for d in held if d.shard in {0, 1, 2}])
+
+        scripts_before = _script_calls(ports)
+        with _round_trips(ports) as trips:
+            payloads = channel.claim("hot", 100)
+        assert _script_calls(ports) - scripts_before == 3  # one claim per master, the acks inside
+        assert sorted(t.count for t in trips) == [1, 1, 1]
+        assert len(payloads) == 100
+        # Acks of the shards this claim did not ask wait for their turn, not a call of their own.
+        left = {d.shard for d in channel.qos.pending_acks().deliveries}
+        assert left and left.isdisjoint({p["properties"].get("fenced_shard", 0) for p in payloads})
+    finally:
+        conn.release()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 100])
+def test_claims_in_turns_over_slot_mates_ask_every_shard_within_a_bound_and_strand_nothing(
+    connect, where, count
+):
+    """Counted, not timed: any run of a few claims asks every shard. A claim of fewer than one message
+    per slot (slots: 3 on the cluster, 6 on a single Redis) asks ``count`` shards, one further each
+    time: 7 - count claims cover all 6; a larger one asks one shard per slot, the shards of a slot
+    taking turns: 2 claims on the cluster (2 shards a slot), 1 on a single Redis. Claims that never
+    follow up (an idle consumer's) still drain every shard."""
+    from broker_ext.messages import delivery_of
+
+    channel = connect(queue_shards=6).channel()
+    queue = channel.fenced_queue("hot")
+    slots = 3 if where == "cluster" else 6
+    bound = 7 - count if count < slots else 6 // slots
+    plans = [{shard.shard for shard, _ in queue.claim_plan(count)} for _ in range(12)]
+    for start in range(len(plans) - bound + 1):
+        assert set().union(*plans[start : start + bound]) == set(range(6)), (start, plans)
+
+    published = ids_for_shards(6, 7)
+    queue.publish([OutgoingMessage(mid, BODY) for mid in published])
+    got: set[str] = set()
+    for _ in range(2 * len(published)):
+        payloads = channel.claim("hot", count, follow_up=False)
+        got.update(payload["properties"]["fenced_message_id"] for payload in payloads)
+        queue.ack([delivery_of(payload["properties"]) for payload in payloads])
+        if got == set(published):
+            break
+    assert got == set(published)
+    assert [shard.stats().ready for shard in queue.shards] == [0] * 6
