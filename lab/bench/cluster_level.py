@@ -72,17 +72,25 @@ SHARDS = 6
 
 @dataclass(frozen=True)
 class Setting:
-    """One way to carry the load: ``queues`` queues of ``shards`` shards each, the load split evenly."""
+    """One way to carry the load: ``queues`` queues of ``shards`` shards each, the load split evenly,
+    consumed by ``consumers`` consumers (the queues taken in turn; default one per queue)."""
 
     key: str
     label: str
     shards: int
     queues: int
+    consumers: int = 0
+
+    @property
+    def consumer_count(self) -> int:
+        return self.consumers or self.queues
 
 
 LONE = Setting("lone", "1 queue", 1, 1)
 SPLIT = Setting("split", f"{MASTERS} queues by hand", 1, MASTERS)
-SHARDED = Setting("sharded", f"queue_shards {SHARDS}", SHARDS, 1)
+#: As many consumers as the hand-split queues have (one each), all of the one logical queue: a fair
+#: comparison, and each blocks on a slot of its own.
+SHARDED = Setting("sharded", f"queue_shards {SHARDS}", SHARDS, 1, MASTERS)
 SETTINGS = (LONE, SPLIT, SHARDED)
 #: Rounds of each figure (the order of the settings rotating); a --quick run does one.
 ROUNDS = 5
@@ -347,8 +355,8 @@ def settled(bench: ClusterBench, connections: list[Connection]) -> bool:
 def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: int, prefetch: int) -> Round:
     """Consume and ack ``messages`` at ``prefetch`` from a backlog with a tail; the steady window's cost.
 
-    Each queue has a consumer and a connection of its own (the hand-split
-    queues' consumers are drained in turn): on a cluster, one consumer of
+    Each consumer has a connection of its own, of one queue (the hand-split
+    queues' three and the sharded queue's three are drained in turn): on a cluster, one consumer of
     several queues waits on the first queue's wake-up marker only, and would
     measure that instead. The window spans at least ``MIN_CLAIMS`` claims,
     so that a small run (``--quick --messages 20``) still meters claims and
@@ -363,14 +371,15 @@ def consume_once(bench: ClusterBench, setting: Setting, messages: int, warmup: i
 
     with contextlib.ExitStack() as stack:
         stack.callback(meter.close)
-        connections = [stack.enter_context(bench.connection(setting)) for _ in queues]
+        consumed = [queues[i % len(queues)] for i in range(setting.consumer_count)]
+        connections = [stack.enter_context(bench.connection(setting)) for _ in consumed]
         channel = connections[0].default_channel
         for queue in queues:
             queue(channel).declare()
         producer = Producer(channel)
         with producer.batch():
             publish_all(producer, queues, 0, total)
-        for connection, queue in zip(connections, queues, strict=True):
+        for connection, queue in zip(connections, consumed, strict=True):
             stack.enter_context(
                 Consumer(
                     connection, [queue], callbacks=[on_message], prefetch_count=prefetch, accept=["json"]
