@@ -89,7 +89,7 @@ class Setting:
 LONE = Setting("lone", "1 queue", 1, 1)
 SPLIT = Setting("split", f"{MASTERS} queues by hand", 1, MASTERS)
 #: As many consumers as the hand-split queues have (one each), all of the one logical queue: a fair
-#: comparison, and each blocks on a slot of its own.
+#: comparison.
 SHARDED = Setting("sharded", f"queue_shards {SHARDS}", SHARDS, 1, MASTERS)
 SETTINGS = (LONE, SPLIT, SHARDED)
 #: Rounds of each figure (the order of the settings rotating); a --quick run does one.
