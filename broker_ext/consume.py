@@ -367,11 +367,14 @@ class Consuming:
         self._polled_keys = self.brpop_keys(queues)
         poll = ("BZPOPMIN", *self._polled_keys, timeout or 0)
         carried = [marker for marker in self._put_backs if marker[0] in self._polled_keys]
-        if not self.pipelines_scripts and self._more_ready in queues:
+        busy = not self.pipelines_scripts and self._more_ready in queues
+        if busy:
             # A busy consumer on a Cluster (its claims go to other nodes than its poll): a marker of its
-            # own in front of the BZPOPMIN returns it at once, and its claims set no marker (as a busy
-            # consumer's polled claims on a single Redis), which spares the relays a wake-up each.
+            # own in front of the BZPOPMIN, in its own key (the first polled, which no one else pops),
+            # returns it at once, and its claims set no marker (as a busy consumer's polled claims on a
+            # single Redis), which spares the relays a wake-up each.
             carried.append((self._polled_keys[0], self._busy_marker))
+        self._poll_waits(not busy)
         if not carried:
             connection.send_command(*poll)
             return
@@ -429,7 +432,12 @@ class Consuming:
         """Claimed while the channel closed: back to the queue unspent, before anyone waits for a lease."""
         self.qos.give_back([delivery_of(payload["properties"]) for payload in payloads], counted=False)
 
+    def _poll_waits(self, waiting: bool) -> None:
+        """Told whether the poll just sent blocks for a wake-up (on a Cluster its relays wait only
+        then); nothing to do on a single Redis."""
+
     def _brpop_read(self, **options):
+        self._poll_waits(False)
         try:
             pending, self._polled_claim = self._polled_claim, None
             if pending is not None:
@@ -450,9 +458,11 @@ class Consuming:
             queues = self.active_queues
             if reply:
                 member = bytes_to_str(reply[1])
-                woken, marker = self._woken(bytes_to_str(reply[0]), member)
-                self._queue_cycle.rotate(woken)
                 busy = member == self._busy_marker  # its own: no marker to put back, none to set
+                woken, marker = (
+                    (self._more_ready, None) if busy else self._woken(bytes_to_str(reply[0]), member)
+                )
+                self._queue_cycle.rotate(woken)
                 if woken in queues and self.claim_and_deliver(
                     [woken], None if busy else marker, wake_next=not busy
                 ):
