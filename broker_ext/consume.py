@@ -47,7 +47,7 @@ from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, ClaimReply, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
-from broker_ext.wake_relay import RELAYED
+from broker_ext.wake_relay import RELAYED, WAKE_MEMBER
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +172,13 @@ class Consuming:
         self._put_backs.append(woken[1:])
 
     def _flush_put_backs(self) -> None:
-        """Put back now the markers no poll is about to carry (no credit left, or closing)."""
+        """Put back now the markers no poll is about to carry (no credit left, or closing). A relayed
+        one goes back to its shard's own marker, where every consumer (or its relay) waits, not to
+        this consumer's own key: it will not poll again before its work is done."""
         markers, self._put_backs = self._put_backs, []
         for key, member in markers:
+            if member.startswith(RELAYED):
+                key, member = member.removeprefix(RELAYED), WAKE_MEMBER
             try:
                 self.fenced_client.zadd(key, {member: 0})
             except self.connection_errors as exc:  # An idle claim after the poll timeout still comes round.

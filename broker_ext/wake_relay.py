@@ -32,6 +32,8 @@ import redis
 
 logger = logging.getLogger(__name__)
 
+#: The member a publish (or a claim leaving messages) sets in a shard's marker (lua/include/wake.lua).
+WAKE_MEMBER = "ready"
 #: What a relayed wake-up's member starts with; the rest names the shard's marker the relay took, so
 #: that the woken consumer knows whether its claim asked that shard (else it puts the member back).
 RELAYED = "relayed:"
