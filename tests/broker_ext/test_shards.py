@@ -723,6 +723,12 @@ def test_consumers_of_a_sharded_queue_home_on_its_slots_in_turn_one_master_each(
                 watched = channel.wake_relay.watched()
                 assert len(watched) == 2 and all(keys[0] not in group for group in watched)
             assert len(set(homes)) == 3, homes
+            # Each one's own key (its busy marker, its relayed wake-ups) is polled by it alone and
+            # watched by no relay (before, the busy marker went to shard 0's marker, which all polled).
+            own = [channel._polled_keys[0] for channel in channels]
+            elsewhere = [key for c in channels for group in c.wake_relay.watched() for key in group]
+            elsewhere += [key for c in channels for key in c._polled_keys[1:]]
+            assert len(set(own)) == 3 and not set(own) & set(elsewhere)
     finally:
         for conn in conns:
             conn.release()
