@@ -68,11 +68,12 @@ class ClusterChannel(Channel):
 
     def __init__(self, *args, **kwargs) -> None:
         self._home_queue: str | None = None
-        #: Per queue, this consumer's turn among those that chose a home slot of it (``None``: it has
-        #: one slot, no turn taken).
-        self._home_turns: dict[str, int | None] = {}
+        #: Per sharded queue, this consumer's turn among those that chose a home slot of it.
+        self._home_turns: dict[str, int] = {}
         #: Names this channel's own wake-up key (:meth:`broker_ext.keys.QueueKeys.inbox`).
         self._inbox_id = new_claim_id()
+        #: The own key the last poll waited on: where the relays set their wake-ups.
+        self._polled_inbox: str | None = None
         super().__init__(*args, **kwargs)
 
     @cached_property
@@ -207,13 +208,14 @@ class ClusterChannel(Channel):
             shards = self.fenced_queue(queue).shards
             if queue != home and len(shards) > 1:
                 groups += [[shard.keys.wake for shard in group] for group in _slot_groups(shards)]
+        self._polled_inbox = home_shards[0].keys.inbox(self._inbox_id)
         self.wake_relay.watch(groups)
-        return [home_shards[0].keys.inbox(self._inbox_id), *(shard.keys.wake for shard in home_shards)]
+        return [self._polled_inbox, *(shard.keys.wake for shard in home_shards)]
 
     @cached_property
     def wake_relay(self) -> WakeRelay:
         def home_key() -> str | None:
-            return self._inbox(self._home_queue) if self._home_queue else None
+            return self._polled_inbox if self._home_queue else None
 
         relay = WakeRelay(self.fenced_client, home_key)
         relay.idle.clear()  # Until the consumer's first poll blocks.

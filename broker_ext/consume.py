@@ -23,7 +23,8 @@ whose shard the claim did not ask is put back, so that no shard holding
 messages is left without one. On a Cluster a busy consumer (its last claim
 came back full) cannot send its claim as the poll (the claim's nodes are not
 the poll's): it sets a marker of its own in front of the BZPOPMIN instead,
-which returns at once, and its claims set no marker for the relays.
+in a key of its own that no other consumer or relay pops, which returns at
+once, and its claims set no marker for the relays.
 """
 
 from __future__ import annotations
