@@ -10,7 +10,8 @@ per other slot of its sharded queues blocks on that slot's markers, on the
 node that owns it. When a publish sets one, the relay takes it and sets it in
 the consumer's own key, which wakes it at once; the woken consumer claims in
 its rotation over the shards (and puts the member back in its own key if that
-claim did not ask its shard). No shard waits for a poll interval.
+claim did not ask its shard and it polls again at once, else on the shard's
+own marker). No shard waits for a poll interval.
 
 Only the consumer pops its own key: a relayed wake-up never lands where
 another consumer's relay would take it and pass it on again. A relay waits
