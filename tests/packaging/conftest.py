@@ -17,7 +17,17 @@ from lab.redis_servers import RedisServer
 ROOT = Path(__file__).resolve().parents[2]
 
 #: What a copy of the checkout to build the wheel from leaves out: environments, run data, build output.
-NOT_SOURCE = (".git", ".venv*", "var", "node_modules", "build", "dist", "*.egg-info", "__pycache__", ".*_cache")
+NOT_SOURCE = (
+    ".git",
+    ".venv*",
+    "var",
+    "node_modules",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+)
 
 #: Variables of this test run that must not leak into a new project's processes.
 PROJECT_UNSAFE_ENV = ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "QUEUEAPP_VAR_DIR", "DATABASE_URL", "REDIS_URL")
