@@ -75,6 +75,7 @@ Errors (nothing written): "FENCED WRONGTYPE <key>: ...", "FENCED BADARG <what>",
 --]]
 --- @include "arg_int"
 --- @include "wake"
+--- @include "hash_table"
 local ready, delayed, leases, bodies, state, seq, counters, request, dead, reasons, wake_key, reclaims, done, acks =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12],
   KEYS[13], KEYS[14]
@@ -82,23 +83,25 @@ if #KEYS ~= 14 or #ARGV < 12 or (#ARGV - 12) % 3 ~= 0 then
   error({err = 'FENCED BADARG claim needs 14 keys, 12 arguments and id/token/claim triples to ack'})
 end
 
--- The straight path: a busy consumer at prefetch 1 (one message, at most one ack, no upkeep, no_ack 0,
--- a queue without x-expires), with no table or helper built for it. Its writes run in a fixed order,
+-- The straight path: a consumer at prefetch 1 (one message, at most one ack, no upkeep work to do,
+-- no_ack 0, a queue without x-expires), with no table or helper built for it. Its writes run in a fixed order,
 -- so one number says how far the first ones got (sw: 1 popped, 2 request set, 3 counted), and the
 -- replies of the done and acks records and of the wake-up marker what those wrote (nil: not run); a
 -- command that fails leaves `refusal` and breaks out, and so does a case
 -- it does not take (the ack not current, the acked id popped, a message that cannot be delivered, a
 -- resent request: found by sw 2 at the latest). Below the helpers, its writes are undone from sw,
 -- newest first, then it refuses, or the general path runs as if it had not.
-local sw, refusal, straight = 0, nil, ARGV[1] == '1' and ARGV[5] == '0' and ARGV[6] == '0'
-  and ARGV[9] == '0' and ARGV[10] == '0' and (#ARGV == 12 or #ARGV == 15)
+local sw, refusal, straight = 0, nil, ARGV[1] == '1' and ARGV[5] == '0' and ARGV[10] == '0'
+  and (#ARGV == 12 or #ARGV == 15)
 local s_id, s_score, s_acking, s_done_old, s_done_added, s_acks_old, s_acks_set, s_wake_added
 repeat
   if not straight then break end
   local lease_ms = arg_int(ARGV[2], 'lease ms', 1, 1e12)
   local request_ttl = arg_int(ARGV[4], 'request ttl ms', 0, 1e12)
+  local promote = ARGV[6] == '0' and 0 or arg_int(ARGV[6], 'promote limit', 0, 100000)
   arg_int(ARGV[7], 'max deliveries', 1, 1e9)
   arg_int(ARGV[8], 'max interruptions', 1, 1e9)
+  local reclaim_limit = ARGV[9] == '0' and 0 or arg_int(ARGV[9], 'reclaim limit', 0, 100000)
   local wake_next = arg_int(ARGV[11], 'wake next', 0, 1) == 1
   local window = arg_int(ARGV[12], 'done window', 0, 1e12)
   local claim_id = ARGV[3]
@@ -110,7 +113,19 @@ repeat
   local us6 = string.sub('00000' .. t[2], -6)
   local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local now_ms = t[1] .. string.sub(us6, 1, 3)
-  local reply = redis.pcall('ZPOPMIN', ready, 1)
+  local reply
+  -- Upkeep, when asked: with no due delayed message and no expired lease, it has nothing to do.
+  if promote > 0 then
+    reply = redis.pcall('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', '0', '1')
+    if reply.err then refusal = {reply, delayed} break end
+    if #reply > 0 then break end
+  end
+  if reclaim_limit > 0 then
+    reply = redis.pcall('ZRANGE', leases, '-inf', now_ms, 'BYSCORE', 'LIMIT', '0', '1')
+    if reply.err then refusal = {reply, leases} break end
+    if #reply > 0 then break end
+  end
+  reply = redis.pcall('ZPOPMIN', ready, 1)
   if reply.err then refusal = {reply, ready} break end
   if #reply == 0 then break end
   s_id, s_score, sw = reply[1], reply[2], 1
@@ -197,8 +212,10 @@ repeat
   if in_delayed then redis.call('ZREM', delayed, ack_id) end
   redis.call('HDEL', state, ack_id)
   redis.call('HDEL', bodies, ack_id)
-  -- The done window's pruning, every 32 acks of the queue (finish.lua's PRUNE_EVERY).
+  -- The done window's pruning, every 32 acks of the queue (finish.lua's PRUNE_EVERY), which keeps
+  -- `acks` a hash table too.
   if window > 0 and acked_total % 32 == 0 then
+    redis.call('HSETNX', acks, TABLE_FIELD, TABLE_VALUE)
     local old = redis.call('ZRANGE', done, '-inf', tonumber(now_ms) - window, 'BYSCORE', 'LIMIT', 0, 130)
     if #old > 0 then
       redis.call('ZREM', done, unpack(old))
