@@ -32,18 +32,22 @@ Idle consumers block on the queue's wake-up marker (BZPOPMIN), which a publish s
 takes: so while ready messages remain after this claim, the claim sets it again for the next consumer
 (ARGV[11]: not when its consumer claims again at once anyway, the poll of a busy one).
 
-Cost: a busy consumer at prefetch 1, one ack and one message per call, runs 14 commands in here (TIME;
-HMGET of the acked state; ZPOPMIN; SET of the request; HMGET of the claimed state and body; one
-BITFIELD for the counters; ZADD done and HSETNX acks; ZREM and ZADD leases; HSET and HDEL state; HDEL
-bodies), and a few more every 32 acks (the done window's pruning). No key's type is checked up front
-(a TYPE per key per call: they were 19 of the 45 commands a message cost). Every key is first met
-by a read the claim needs anyway, or by a write that fails before it writes when its key is of the
-wrong type and that guarded() can undo exactly (lua/include/guard.lua): ZPOPMIN (popped entries
-go back with their scores), SET NX of the request, the counters' BITFIELD, the done records (read
-first when one was there). `leases` comes last: once it has been written nothing can be refused. So a
-key of the wrong type is refused with FENCED WRONGTYPE and nothing written. Where the work is not
-the common one (expired leases or due delayed messages to move, several acks, a message to set
-aside), the keys it touches are checked with TYPE first, as before.
+Cost: a consumer at prefetch 1, one ack and one message per call, takes a straight path with no table
+or helper built for it, and runs 13 commands in here (TIME; ZPOPMIN; HMGET of the acked and the claimed
+state; HGET of the body; SET of the request; one BITFIELD for the counters; ZADD done and HSETNX acks;
+ZREM and ZADD leases; HSET and HDEL state; HDEL bodies), two ZRANGE more on an upkeep claim, and a few
+more every 32 acks (the done window's pruning). Any other case (several messages or acks, upkeep with
+work to do, the ack not current or its message popped, a message to set aside, a resent request, a
+queue with x-expires) is found before the straight path writes anything that is not undone, and takes
+the general path. No key's type is checked up front (a TYPE per key per call: they were 19 of the 45
+commands a message cost). Every key is first met by a read the claim needs anyway, or by a write that
+fails before it writes when its key is of the wrong type and that is undone exactly (the general path:
+guarded(), lua/include/guard.lua): ZPOPMIN (popped entries go back with their scores), SET NX of the
+request, the counters' BITFIELD, the done records (read first when one was there). `leases` comes
+last: once it has been written nothing can be refused. So a key of the wrong type is refused with
+FENCED WRONGTYPE and nothing written. Where the work is not the common one (expired leases or due
+delayed messages to move, several acks, a message to set aside), the keys it touches are checked with
+TYPE first, as before.
 
 KEYS[1]  ready     zset
 KEYS[2]  delayed   zset
@@ -84,13 +88,14 @@ if #KEYS ~= 14 or #ARGV < 12 or (#ARGV - 12) % 3 ~= 0 then
 end
 
 -- The straight path: a consumer at prefetch 1 (one message, at most one ack, no upkeep work to do,
--- no_ack 0, a queue without x-expires), with no table or helper built for it. Its writes run in a fixed order,
--- so one number says how far the first ones got (sw: 1 popped, 2 request set, 3 counted), and the
--- replies of the done and acks records and of the wake-up marker what those wrote (nil: not run); a
--- command that fails leaves `refusal` and breaks out, and so does a case
--- it does not take (the ack not current, the acked id popped, a message that cannot be delivered, a
--- resent request: found by sw 2 at the latest). Below the helpers, its writes are undone from sw,
--- newest first, then it refuses, or the general path runs as if it had not.
+-- no_ack 0, a queue without x-expires), with no table or helper built for it (each costs every call
+-- that runs past it). Its writes run in a fixed order, so one number says how far the first ones got
+-- (sw: 1 popped, 2 request set, 3 counted), and the replies of the done and acks records and of the
+-- wake-up marker what those wrote (nil: not sent). A command that fails leaves `refusal` and breaks
+-- out; so does a case it does not take (the ack not current, the acked id popped, a message that
+-- cannot be delivered, a resent request), each found while only ready has been written. Below the
+-- helpers, its writes are undone, newest first; then it refuses, or the general path runs as if the
+-- straight one had not.
 local sw, refusal, straight = 0, nil, ARGV[1] == '1' and ARGV[5] == '0' and ARGV[10] == '0'
   and (#ARGV == 12 or #ARGV == 15)
 local s_id, s_score, s_acking, s_done_old, s_done_added, s_acks_old, s_acks_set, s_wake_added
@@ -205,8 +210,8 @@ repeat
   local previous = tonumber(tk)
   local token = previous < now_us and t[1] .. us6 or string.format('%.0f', previous + 1)
   local deliveries = dl == '0' and 1 or tonumber(dl) + 1
-  redis.call('HSET', state, s_id,
-    token .. '|' .. (dl == '0' and '1' or deliveries) .. '|' .. middle .. '|' .. deadline .. '|' .. claim_id .. '|' .. pb)
+  redis.call('HSET', state, s_id, token .. '|' .. (dl == '0' and '1' or deliveries) .. '|' .. middle .. '|'
+    .. deadline .. '|' .. claim_id .. '|' .. pb)
   if not s_acking then return {{s_id, token, deliveries, body}, {}, {}} end
   if in_ready then redis.call('ZREM', ready, ack_id) end
   if in_delayed then redis.call('ZREM', delayed, ack_id) end
