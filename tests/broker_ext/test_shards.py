@@ -508,12 +508,19 @@ def test_a_wake_up_the_relay_takes_as_it_stops_goes_back_to_its_marker(redis_clu
     def relay_blocked() -> bool:
         return any(entry["cmd"] == "bzpopmin" and "b" in entry["flags"] for entry in node.client_list())
 
+    others = set(threading.enumerate())
+
+    def relay_threads() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == "fenced-wake-relay"]
+
     try:
         relay.watch([[marker]])
         assert wait_for(relay_blocked, timeout=10)
         relay.stop()
         client.zadd(marker, {"w": 0})
         assert wait_for(lambda: not relay_blocked(), timeout=10)
+        # Unblocked, the relay took the marker: it puts it back before its thread ends.
+        assert wait_for(lambda: not set(relay_threads()) - others, timeout=10)
         assert client.zrange(marker, 0, -1) == [b"w"]
     finally:
         relay.stop()
