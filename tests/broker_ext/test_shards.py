@@ -860,14 +860,17 @@ def test_a_relay_waits_only_while_its_consumer_waits_and_gives_back_what_it_took
     """A relay whose consumer is busy does not block on its slot; one that was blocked when the consumer
     got busy puts the marker it takes back on its shard's key, for another consumer that waits there,
     instead of relaying it to a consumer that would see it only after its work."""
-    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port, client_name="relay-idle")
     marker, inbox = "fenced:{relay-idle%S1.0}:wake", "fenced:{relay-idle}:wake:c1"
     client.delete(marker, inbox)
     relay = WakeRelay(client, lambda: inbox, timeout=5)
     node = redis_cluster.master_for(marker).client()
 
-    def relay_blocked() -> bool:
-        return any(entry["cmd"] == "bzpopmin" and "b" in entry["flags"] for entry in node.client_list())
+    def relay_blocked() -> bool:  # this relay's (its client has the name): other tests' may linger
+        entries = node.client_list()
+        return any(
+            e["cmd"] == "bzpopmin" and "b" in e["flags"] and e["name"] == "relay-idle" for e in entries
+        )
 
     try:
         relay.idle.clear()
