@@ -195,10 +195,6 @@ def _round_trips(ports: list[int]):
 def test_an_idle_consumer_wakes_for_a_publish_on_any_shard_without_waiting_a_poll(connect, where, prefix):
     """The consumer's poll interval is 30 s: a delivery within 5 s was woken, not polled (with a
     ``global_keyprefix`` too, which Kombu's client strips from the BZPOPMIN reply)."""
-    if where == "cluster" and prefix:
-        pytest.skip(
-            "a declare with global_keyprefix on a cluster fails in Kombu's queue_bind, sharded or not"
-        )
     conn = connect(queue_shards=3, polling_interval=30, global_keyprefix=prefix)
     queue = Queue("hot", Exchange("hot"), routing_key="hot")
     producer_conn = connect(queue_shards=3, global_keyprefix=prefix)
