@@ -48,7 +48,12 @@ def publish(conn: Connection, queue: Queue, *bodies, **kwargs) -> None:
 
 
 def drain(conn: Connection, queue: Queue, *, seconds: float, ack: bool = True, prefetch: int = 10) -> list:
-    """Consume for ``seconds``; returns (body, message) pairs."""
+    """Consume for ``seconds``; returns (body, message) pairs.
+
+    The channel is closed at the end when every message was acked: stock Kombu's close reads the
+    reply of a BRPOP still in flight, which would otherwise take the next message published and keep
+    it from the queue's count until the connection closes.
+    """
     got: list = []
 
     def on_message(body, message) -> None:
@@ -56,11 +61,14 @@ def drain(conn: Connection, queue: Queue, *, seconds: float, ack: bool = True, p
         if ack:
             message.ack()
 
-    with Consumer(conn.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch):
+    channel = conn.channel()
+    with Consumer(channel, [queue], callbacks=[on_message], prefetch_count=prefetch):
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError):
                 conn.drain_events(timeout=min(0.3, max(deadline - time.monotonic(), 0.01)))
+    if ack:
+        channel.close()
     return got
 
 
