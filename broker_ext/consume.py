@@ -192,7 +192,9 @@ class Consuming:
         acks: one round trip per node. Acks of shards on nodes the claim does not go to stay buffered,
         for a later claim there or the lease keeper's flush (``ack_flush_interval``): no round trip
         of their own. So do those of a shard whose slot-mate this claim asks (its turn is the next
-        claim): no script call of their own.
+        claim): no script call of their own. But when ``ack_batch_size`` acks wait (a busy consumer
+        kept them back for this claim: :meth:`_deliver_claimed`), every one goes now, those of
+        shards the claim does not ask in ack calls of their own in the same round trips.
 
         A claim sent as a busy consumer's poll (``wake_next`` false) reclaims
         and promotes only every ``upkeep_interval``; any other claim does.
@@ -208,9 +210,11 @@ class Consuming:
         asked = [shard.shard for shard, _ in plan]
         nodes = {node_of(self.fenced_client, shard.keys.wake) for shard, _ in plan}
         waiting = {(queue, shard) for shard in fenced.waiting_turn(asked)}
+        # ack_batch_size acks waiting (a busy consumer kept them back for this claim): all go now.
+        due = self.qos.unsent_ack_count() >= self.settings.ack_batch_size
         acks = self.qos.pending_acks(
             carried_by=[(queue, shard) for shard in asked],
-            rides=lambda key: key not in waiting and self._on_nodes(key, nodes),
+            rides=None if due else lambda key: key not in waiting and self._on_nodes(key, nodes),
         )
         claims = [
             shard.acking_claim_call(
@@ -285,7 +289,24 @@ class Consuming:
             self.fenced_queue(delivery.queue).dead_letter([delivery], reason)
 
     def _deliver_claimed(self, queue: str, payloads: list[dict]) -> int:
-        """Hand claimed messages to the consumer; one it cannot take is dead-lettered, not fatal."""
+        """Hand claimed messages to the consumer; one it cannot take is dead-lettered, not fatal.
+
+        While it hands over a claim that came back full, the acks that reach ``ack_batch_size`` wait
+        for the claim it sends next (:meth:`FencedQoS.batch_rides_next_claim`); once through, they are
+        sent now unless that claim is coming (:meth:`_claims_next`).
+        """
+        with self.qos.batch_rides_next_claim(self._more_ready == queue and not self._closing):
+            delivered = self._hand_over(queue, payloads)
+        if not self._claims_next():
+            self.qos.flush_due_acks()
+        return delivered
+
+    def _claims_next(self) -> bool:
+        """Whether this consumer's next poll claims (its last claim came back full, it may take more,
+        and it is not closing): what carries acks kept back for a claim."""
+        return self._more_ready is not None and not self._closing and self.qos.can_consume()
+
+    def _hand_over(self, queue: str, payloads: list[dict]) -> int:
         delivered = 0
         for payload in payloads:
             try:

@@ -104,8 +104,11 @@ class LeaseKeeper:
         next_extend = next_reclaim = time.monotonic()
         while True:
             if acks_waiting.wait(intervals.tick) and not self._stopped.is_set():
-                # Give the consumer's next claim the chance to carry these acks for free.
-                self._stopped.wait(intervals.ack_flush)
+                # Give the consumer's next claim the chance to carry these acks for free: the keeper
+                # sends them once the oldest has waited ack_flush_interval (a claim may take them first).
+                age = self.qos.oldest_ack_age()
+                if age is not None and age < intervals.ack_flush:
+                    self._stopped.wait(intervals.ack_flush - age)
             if self._stopped.is_set():
                 return  # The channel's close sends the acks still buffered.
             if self._lingering and self.qos.done():
@@ -114,7 +117,7 @@ class LeaseKeeper:
             acks_waiting.clear()
             now = time.monotonic()
             try:
-                self.qos.flush_acks()
+                self.qos.flush_acks(waited=intervals.ack_flush)
                 if now >= next_extend:
                     self.extend()
                     next_extend = now + intervals.extend

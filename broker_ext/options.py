@@ -121,7 +121,13 @@ FENCED_OPTIONS: tuple[Option, ...] = (
         "how long an ack may wait to travel with the next claim (0: every ack is sent at once)",
         kind="non_negative",
     ),
-    Option("ack_batch_size", 100, "", "buffered acks that are sent at once", kind="count"),
+    Option(
+        "ack_batch_size",
+        100,
+        "",
+        "buffered acks that are sent at once (a busy consumer's with its next claim, which follows at once)",
+        kind="count",
+    ),
     Option(
         "binding_cache_ttl",
         5.0,

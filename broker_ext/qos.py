@@ -12,16 +12,23 @@ travels with the consumer's next claim (:meth:`pending_acks`, read back by
 :meth:`settle_acks`, one round trip for both; the acks of the claimed queue
 inside the claim's own script call), or is sent by the lease keeper
 after ``ack_flush_interval`` (:meth:`flush_acks`), or at once when
-``ack_batch_size`` acks are waiting. A worker killed in between has those
-messages delivered again, which is at-least-once delivery as promised;
+``ack_batch_size`` acks are waiting. "At once" is the next claim's round
+trip when the consumer is handing over a claim that came back full, in its
+own thread (:meth:`batch_rides_next_claim`: it claims again as soon as it
+is through, and its claim carries them); otherwise, and whenever that claim
+is not coming after all (the consumer went idle, has no credit, closes:
+:meth:`flush_due_acks`), calls of their own. A worker killed in between has
+those messages delivered again, which is at-least-once delivery as promised;
 ``@exactly_once`` absorbs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +92,8 @@ class FencedQoS(virtual.QoS):
         self._held: dict[str, Delivery] = {}
         self._lock = threading.Lock()
         self._unsent_acks: list[Delivery] = []
+        #: When the oldest ack in :attr:`_unsent_acks` was buffered (monotonic), or ``None``.
+        self._unsent_since: float | None = None
         self._reject_reasons: dict[str, str] = {}
         self._kept: set[str] = set()
         #: Deliveries a crashing worker was working on: given back charged, with the reason, not unspent.
@@ -93,6 +102,9 @@ class FencedQoS(virtual.QoS):
         self._set_aside_instead: set[str] = set()
         #: Set when an ack is buffered: wakes the lease keeper to flush it.
         self.acks_waiting = threading.Event()
+        #: The thread handing over a claim that came back full (its acks at ``ack_batch_size`` wait for
+        #: the claim it sends next), or ``None``.
+        self._claiming_thread: int | None = None
 
     # -- what the consumer holds ------------------------------------------------------------
 
@@ -164,18 +176,51 @@ class FencedQoS(virtual.QoS):
             if delivery is not None:
                 self.buffer_acks([delivery])
                 channel = self.channel
-                if channel.ack_flush_interval <= 0 or self.unsent_ack_count() >= channel.ack_batch_size:
+                if channel.ack_flush_interval <= 0 or (
+                    self.unsent_ack_count() >= channel.ack_batch_size
+                    and self._claiming_thread != threading.get_ident()
+                ):
                     self.flush_acks()
         finally:
             super().ack(delivery_tag)  # The prefetch slot is free whatever Redis said.
+
+    @contextlib.contextmanager
+    def batch_rides_next_claim(self, claim_follows: bool) -> Iterator[None]:
+        """While the consumer hands over a claim's messages: with ``claim_follows`` (the claim came
+        back full, so the consumer claims again once through), acks of this thread that reach
+        ``ack_batch_size`` stay buffered for that claim to carry (one script call per shard for
+        claim and acks, not an ack call more) instead of being sent apart at once. The caller
+        sends them with :meth:`flush_due_acks` when the claim is not coming after all."""
+        if not claim_follows:
+            yield
+            return
+        previous, self._claiming_thread = self._claiming_thread, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._claiming_thread = previous
+
+    def flush_due_acks(self) -> None:
+        """Send the buffered acks now if ``ack_batch_size`` of them wait (no claim is coming to carry
+        them); fewer wait for a claim or the lease keeper's flush, as any ack does."""
+        if self.unsent_ack_count() >= self.channel.ack_batch_size:
+            self.flush_acks()
 
     def buffer_acks(self, deliveries: list[Delivery]) -> None:
         """Keep acks for the next flush (also: acks a lost connection sent back)."""
         if not deliveries:
             return
         with self._lock:
+            if not self._unsent_acks:
+                self._unsent_since = time.monotonic()
             self._unsent_acks.extend(deliveries)
         self.acks_waiting.set()
+
+    def oldest_ack_age(self) -> float | None:
+        """Seconds the oldest buffered ack has waited (``None``: none waits)."""
+        with self._lock:
+            since = self._unsent_since if self._unsent_acks else None
+        return None if since is None else time.monotonic() - since
 
     def unsent_ack_count(self) -> int:
         with self._lock:
@@ -194,11 +239,15 @@ class FencedQoS(virtual.QoS):
         """
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
+            since, self._unsent_since = self._unsent_since, None
         if rides is not None:
             left = [delivery for delivery in acks if not rides((delivery.queue, delivery.shard))]
             if left:
                 acks = [delivery for delivery in acks if rides((delivery.queue, delivery.shard))]
                 with self._lock:
+                    # They keep their age: the lease keeper sends them once the oldest waited its interval.
+                    younger = self._unsent_since if self._unsent_acks else None
+                    self._unsent_since = since if younger is None or since is None else min(since, younger)
                     self._unsent_acks[:0] = left
                 self.acks_waiting.set()
         groups = by_shard(acks)
@@ -235,8 +284,20 @@ class FencedQoS(virtual.QoS):
                         queue,
                     )
 
-    def flush_acks(self) -> None:
-        """Send every buffered ack now (from any thread); on a lost connection they stay buffered."""
+    def flush_acks(self, waited: float = 0.0) -> None:
+        """Send every buffered ack now (from any thread); on a lost connection they stay buffered.
+
+        ``waited``: only if the oldest has waited that many seconds (the lease keeper's
+        ``ack_flush_interval``: younger acks are left for a claim to carry, and ``acks_waiting`` is
+        set again so that the keeper comes back for them).
+        """
+        if waited > 0:
+            age = self.oldest_ack_age()
+            if age is None:
+                return
+            if age < waited:
+                self.acks_waiting.set()
+                return
         pending = self.pending_acks()
         if not pending.calls:
             return

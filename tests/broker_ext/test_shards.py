@@ -684,6 +684,126 @@ def test_claims_in_turns_over_slot_mates_ask_every_shard_within_a_bound_and_stra
     assert [shard.stats().ready for shard in queue.shards] == [0] * 6
 
 
+def _busy_drain(conn: Connection, queue: Queue, prefetch: int, on_message, done, seconds: float):
+    """A Kombu consumer of ``queue`` at ``prefetch`` draining until ``done()``; returns its channel."""
+    consumer = Consumer(conn.channel(), [queue], callbacks=[on_message], prefetch_count=prefetch)
+    consumer.consume()
+    _drain(conn, done, seconds)
+    return consumer
+
+
+def test_a_busy_consumer_s_acks_at_ack_batch_size_ride_in_its_next_claims_acked_exactly_once(
+    connect, request, where
+):
+    """Counted: a prefetch-100 consumer drains 6 shards; its acks reach ``ack_batch_size`` (100) while
+    it hands over each full claim and go with its next claim's round trips, not in ack calls of
+    their own (``ack_flush_interval`` 30 s: the lease keeper sends none of them). Round trips per
+    100 messages: the claim (the poll itself on a single Redis; on the cluster the poll and one per
+    master), where before each 100 cost that and the flush of the acks (one round trip per master).
+    Counted in the consumer's thread (the keeper's extends and the relays are not the point here).
+    Every message is delivered once and acked once: the queue's ``acked`` counter is the count."""
+    from broker_ext.messages import delivery_of
+
+    conn = connect(queue_shards=6, ack_flush_interval=30)
+    queue = Queue("hot", Exchange("hot"), routing_key="hot")
+    producer = Producer(connect(queue_shards=6).channel())
+    published = ids_for_shards(6, 200)
+    for message_id in published:
+        producer.publish(
+            {}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue]
+        )
+    seen: list[str] = []
+
+    def take(body, message) -> None:
+        seen.append(delivery_of(message.properties).message_id)
+        message.ack()
+
+    consumer = _busy_drain(conn, queue, 100, take, lambda: len(seen) >= 200, 30)
+    channel = consumer.channel
+    with _round_trips(_ports(request, where)) as trips:
+        start = len(seen)
+        _drain(conn, lambda: len(seen) >= start + 800, 60)
+        counted = len(seen) - start
+    per_100 = 100 * sum(t.by_thread.get(threading.get_ident(), 0) for t in trips) / counted
+    assert counted >= 800
+    assert per_100 <= (1.2 if where == "single" else 4.5), per_100  # before: 2.0 and 7.0
+    _drain(conn, lambda: len(seen) >= len(published), 30)
+    fenced = channel.fenced_queue("hot")
+    # What is left (fewer than ack_batch_size) goes at close, as always.
+    consumer.cancel()
+    channel.close()
+    assert sorted(seen) == sorted(published)  # each delivered once: no ack was lost or late
+    stats = fenced.stats()
+    assert (stats.ready, stats.leased, stats.counters["acked"]) == (0, 0, len(published))
+
+
+def test_a_stale_ack_riding_in_a_claim_is_refused_and_the_claim_and_the_other_acks_stand(connect, caplog):
+    """A claim carries two acks of its shard: one of a delivery that is no longer the current one
+    (the message was given back and is ready again) and one current. The stale one is refused
+    (STALE: nothing written, logged), the current one is acked, and the claim still takes every
+    ready message, the given-back one included, under a new delivery whose ack then succeeds."""
+    from broker_ext.messages import delivery_of
+
+    channel = connect(queue_shards=1, ack_batch_size=2).channel()
+    queue = channel.fenced_queue("stale")
+    queue.publish([OutgoingMessage(mid, BODY) for mid in ("a", "b", "c")])
+    first, second = (item.delivery for item in queue.claim(2))
+    assert queue.requeue([first], counted=False) == [Reply.OK]  # `first` is stale now
+    channel.qos.buffer_acks([first, second])
+    with caplog.at_level("WARNING", logger="broker_ext.qos"):
+        payloads = channel.claim("stale", 10)
+    taken = {payload["properties"]["fenced_message_id"] for payload in payloads}
+    assert taken == {"a", "b", "c"} - {second.message_id}  # the given-back one and the one left
+    assert "refused: another delivery is the current one" in caplog.text
+    assert channel.qos.unsent_ack_count() == 0  # settled: not buffered again
+    stats = queue.stats()
+    assert (stats.leased, stats.counters["acked"]) == (2, 1)
+    fresh = [delivery_of(payload["properties"]) for payload in payloads]
+    assert queue.ack(fresh) == [Reply.OK, Reply.OK]
+    assert queue.ack([first]) == [Reply.STALE]
+
+
+def test_acks_kept_for_a_claim_that_does_not_come_are_sent_at_once_or_by_the_keeper_in_its_interval(
+    connect,
+):
+    """A consumer handing over a full claim keeps the acks that reach ``ack_batch_size`` for its next
+    claim. When that claim is not coming they are not left waiting: a consumer that holds too much to
+    claim again (70 of prefetch 100 unacked) sends them as it finishes handing over, with no further
+    poll (``ack_flush_interval`` 30 s: not the keeper); a consumer whose program stops polling gets
+    them sent by the lease keeper within ``ack_flush_interval``."""
+    queue = Queue("idle", Exchange("idle"), routing_key="idle")
+    held: list = []
+
+    def ack_30(body, message) -> None:
+        (message.ack() if len(held) < 30 else None, held.append(message))
+
+    conn = connect(ack_flush_interval=30, ack_batch_size=10)
+    Producer(conn.channel()).publish({}, exchange=queue.exchange, routing_key="idle", declare=[queue])
+    producer = Producer(conn.channel())
+    for n in range(120):
+        producer.publish({"n": n}, exchange=queue.exchange, routing_key="idle")
+    consumer = _busy_drain(conn, queue, 100, ack_30, lambda: len(held) >= 100, 30)
+    fenced = consumer.channel.fenced_queue("idle")
+    assert len(held) == 100 and consumer.channel.qos.unsent_ack_count() == 0
+    assert fenced.stats().counters["acked"] == 30
+    consumer.cancel()
+
+    quiet_queue = Queue("quiet", Exchange("quiet"), routing_key="quiet")
+    quiet = connect(ack_flush_interval=0.2, ack_batch_size=10)
+    producer = Producer(quiet.channel())
+    for n in range(100):
+        producer.publish({"n": n}, exchange=quiet_queue.exchange, routing_key="quiet", declare=[quiet_queue])
+    taken: list = []
+    consumer = _busy_drain(
+        quiet, quiet_queue, 100, lambda b, m: (taken.append(m), m.ack()), lambda: len(taken) >= 100, 30
+    )
+    assert len(taken) == 100  # one full claim: its acks were kept for the next claim, which never comes
+    # No more polls: the keeper sends them within its interval (5 s: a bound, not a wait).
+    fenced = consumer.channel.fenced_queue("quiet")
+    assert wait_for(lambda: fenced.stats().counters.get("acked") == 100, timeout=5)
+    consumer.cancel()
+
+
 def _consumers_of_6_shards(cluster_url: str, count: int, **options) -> list[Connection]:
     """``count`` connections to the cluster, each a prefetch-1 consumer of queue ``hot`` over 6 shards."""
     return [
