@@ -167,6 +167,10 @@ class Records:
         """
         if self._storable_at_a_glance(key, delivery):
             return None
+        return self._column_by_column(key, delivery)
+
+    def _column_by_column(self, key: str, delivery: DeliveryInfo) -> str | None:
+        """:meth:`unstorable`, each value against its own column's type."""
         for name, value, column in (
             ("idempotency key", key, _KEY_COLUMN),
             ("header id", delivery.task_id, _LOG_COLUMNS["task_id"]),
