@@ -37,7 +37,7 @@ from functools import cached_property
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.url import parse_url
-from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
+from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, ClusterPipeline, RedisCluster
 from redis.crc import key_slot
 
 from broker_ext.channel import Channel
@@ -49,12 +49,25 @@ from broker_ext.wake_relay import WakeRelay
 NOT_FOR_CLUSTER = {"host", "port", "db", "connection_class"}
 
 
+class PrefixedClusterPipeline(kombu_redis.GlobalKeyPrefixMixin, ClusterPipeline):
+    """A cluster pipeline prefixing its commands' keys, so that each is routed by the key it writes."""
+
+
 class PrefixedRedisCluster(kombu_redis.GlobalKeyPrefixMixin, RedisCluster):
     """``RedisCluster`` prefixing the keys of Kombu's commands with ``global_keyprefix``, as Kombu does."""
 
     def __init__(self, *args, global_keyprefix: str = "", **kwargs) -> None:
         self.global_keyprefix = global_keyprefix
         RedisCluster.__init__(self, *args, **kwargs)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        """Kombu binds a queue in a pipeline: the mixin's would build a single-node one from a
+        ``connection_pool`` a cluster client does not have. The cluster's own, made as its
+        ``pipeline`` makes it (whatever redis-py's version), then prefixing its keys."""
+        pipe = RedisCluster.pipeline(self, transaction=transaction, shard_hint=shard_hint)
+        pipe.__class__ = PrefixedClusterPipeline
+        pipe.global_keyprefix = self.global_keyprefix
+        return pipe
 
 
 class ClusterChannel(Channel):

@@ -203,7 +203,11 @@ KOMBU_OPTIONS: dict[str, KombuOption] = {
         KombuOption(
             "queue_order_strategy", "honoured", "order in which a consumer's queues are claimed from"
         ),
-        KombuOption("global_keyprefix", "honoured", "prefix of every key, fenced and Kombu's, on every path"),
+        KombuOption(
+            "global_keyprefix",
+            "honoured",
+            "prefix of every key, fenced and Kombu's, on every path, Cluster too",
+        ),
         KombuOption("fanout_prefix", "honoured", "pub/sub channel names of fanout exchanges (inherited)"),
         KombuOption("fanout_patterns", "honoured", "pub/sub patterns of topic fanout (inherited)"),
         KombuOption("socket_timeout", "honoured", "every connection of the channel"),

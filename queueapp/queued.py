@@ -284,8 +284,13 @@ def record(
     except (TypeError, ValueError) as exc:  # The publish itself fails on them with Celery's JSON.
         logger.warning("%s [%s] not recorded as queued: its arguments are not JSON (%r)", task_name, key, exc)
         return
+    records = Records()
+    unstorable = records.unstorable_queued(published)
+    if unstorable is not None:  # The worker dead-letters the message, naming the same value.
+        logger.warning("%s not recorded as queued: its %s", task_name, unstorable)
+        return
     if at_once:
-        Records().insert_queued([published])
+        records.insert_queued([published])
     else:
         _current().append(published)
 

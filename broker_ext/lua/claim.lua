@@ -32,18 +32,22 @@ Idle consumers block on the queue's wake-up marker (BZPOPMIN), which a publish s
 takes: so while ready messages remain after this claim, the claim sets it again for the next consumer
 (ARGV[11]: not when its consumer claims again at once anyway, the poll of a busy one).
 
-Cost: a busy consumer at prefetch 1, one ack and one message per call, runs 14 commands in here (TIME;
-HMGET of the acked state; ZPOPMIN; SET of the request; HMGET of the claimed state and body; one
-BITFIELD for the counters; ZADD done and HSETNX acks; ZREM and ZADD leases; HSET and HDEL state; HDEL
-bodies), and a few more every 32 acks (the done window's pruning). No key's type is checked up front
-(a TYPE per key per call: they were 19 of the 45 commands a message cost). Every key is first met
-by a read the claim needs anyway, or by a write that fails before it writes when its key is of the
-wrong type and that guarded() can undo exactly (lua/include/guard.lua): ZPOPMIN (popped entries
-go back with their scores), SET NX of the request, the counters' BITFIELD, the done records (read
-first when one was there). `leases` comes last: once it has been written nothing can be refused. So a
-key of the wrong type is refused with FENCED WRONGTYPE and nothing written. Where the work is not
-the common one (expired leases or due delayed messages to move, several acks, a message to set
-aside), the keys it touches are checked with TYPE first, as before.
+Cost: a consumer at prefetch 1, one ack and one message per call, takes a straight path with no table
+or helper built for it, and runs 13 commands in here (TIME; ZPOPMIN; HMGET of the acked and the claimed
+state; HGET of the body; SET of the request; one BITFIELD for the counters; ZADD done and HSETNX acks;
+ZREM and ZADD leases; HSET and HDEL state; HDEL bodies), two ZRANGE more on an upkeep claim, and a few
+more every 32 acks (the done window's pruning). Any other case (several messages or acks, upkeep with
+work to do, the ack not current or its message popped, a message to set aside, a resent request, a
+queue with x-expires) is found before the straight path writes anything that is not undone, and takes
+the general path. No key's type is checked up front (a TYPE per key per call: they were 19 of the 45
+commands a message cost). Every key is first met by a read the claim needs anyway, or by a write that
+fails before it writes when its key is of the wrong type and that is undone exactly (the general path:
+guarded(), lua/include/guard.lua): ZPOPMIN (popped entries go back with their scores), SET NX of the
+request, the counters' BITFIELD, the done records (read first when one was there). `leases` comes
+last: once it has been written nothing can be refused. So a key of the wrong type is refused with
+FENCED WRONGTYPE and nothing written. Where the work is not the common one (expired leases or due
+delayed messages to move, several acks, a message to set aside), the keys it touches are checked with
+TYPE first, as before.
 
 KEYS[1]  ready     zset
 KEYS[2]  delayed   zset
@@ -73,23 +77,183 @@ deliveries, payload); dead is a flat array of (id, reason) set aside by this cal
 integer per triple, as ack.lua replies (1 OK, 2 ALREADY_ACKED, -1 NOT_FOUND, -2 STALE).
 Errors (nothing written): "FENCED WRONGTYPE <key>: ...", "FENCED BADARG <what>", "FENCED CORRUPT <id>".
 --]]
---- @include "guard"
---- @include "check_types"
 --- @include "arg_int"
---- @include "server_time"
---- @include "state"
---- @include "set_dead"
---- @include "ready"
 --- @include "wake"
---- @include "reclaim_expired"
---- @include "finish"
---- @include "chunked"
---- @include "keep_expiry"
+--- @include "hash_table"
 local ready, delayed, leases, bodies, state, seq, counters, request, dead, reasons, wake_key, reclaims, done, acks =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12],
   KEYS[13], KEYS[14]
 if #KEYS ~= 14 or #ARGV < 12 or (#ARGV - 12) % 3 ~= 0 then
   error({err = 'FENCED BADARG claim needs 14 keys, 12 arguments and id/token/claim triples to ack'})
+end
+
+-- The straight path: a consumer at prefetch 1 (one message, at most one ack, no upkeep work to do,
+-- no_ack 0, a queue without x-expires), with no table or helper built for it (each costs every call
+-- that runs past it). Its writes run in a fixed order, so one number says how far the first ones got
+-- (sw: 1 popped, 2 request set, 3 counted), and the replies of the done and acks records and of the
+-- wake-up marker what those wrote (nil: not sent). A command that fails leaves `refusal` and breaks
+-- out; so does a case it does not take (the ack not current, the acked id popped, a message that
+-- cannot be delivered, a resent request), each found while only ready has been written. Below the
+-- helpers, its writes are undone, newest first; then it refuses, or the general path runs as if the
+-- straight one had not.
+local sw, refusal, straight = 0, nil, ARGV[1] == '1' and ARGV[5] == '0' and ARGV[10] == '0'
+  and (#ARGV == 12 or #ARGV == 15)
+local s_id, s_score, s_acking, s_done_old, s_done_added, s_acks_old, s_acks_set, s_wake_added
+repeat
+  if not straight then break end
+  local lease_ms = arg_int(ARGV[2], 'lease ms', 1, 1e12)
+  local request_ttl = arg_int(ARGV[4], 'request ttl ms', 0, 1e12)
+  local promote = ARGV[6] == '0' and 0 or arg_int(ARGV[6], 'promote limit', 0, 100000)
+  arg_int(ARGV[7], 'max deliveries', 1, 1e9)
+  arg_int(ARGV[8], 'max interruptions', 1, 1e9)
+  local reclaim_limit = ARGV[9] == '0' and 0 or arg_int(ARGV[9], 'reclaim limit', 0, 100000)
+  local wake_next = arg_int(ARGV[11], 'wake next', 0, 1) == 1
+  local window = arg_int(ARGV[12], 'done window', 0, 1e12)
+  local claim_id = ARGV[3]
+  if not string.find(claim_id, '^%w+$') then error({err = 'FENCED BADARG claim id must be letters and digits'}) end
+  local ack_id, ack_token, ack_claim = ARGV[13], ARGV[14], ARGV[15]
+  s_acking = ack_id ~= nil
+  -- Server time as text too: seconds and micros from TIME, joined (a number made text costs a sprintf).
+  local t = redis.call('TIME')
+  local us6 = string.sub('00000' .. t[2], -6)
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local now_ms = t[1] .. string.sub(us6, 1, 3)
+  local reply
+  -- Upkeep, when asked: with no due delayed message and no expired lease, it has nothing to do.
+  if promote > 0 then
+    reply = redis.pcall('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', '0', '1')
+    if reply.err then refusal = {reply, delayed} break end
+    if #reply > 0 then break end
+  end
+  if reclaim_limit > 0 then
+    reply = redis.pcall('ZRANGE', leases, '-inf', now_ms, 'BYSCORE', 'LIMIT', '0', '1')
+    if reply.err then refusal = {reply, leases} break end
+    if #reply > 0 then break end
+  end
+  reply = redis.pcall('ZPOPMIN', ready, 1)
+  if reply.err then refusal = {reply, ready} break end
+  if #reply == 0 then break end
+  s_id, s_score, sw = reply[1], reply[2], 1
+  if s_id == ack_id then break end
+  local raw, ack_raw, body
+  if s_acking then
+    reply = redis.pcall('HMGET', state, ack_id, s_id)
+    if reply.err then refusal = {reply, state} break end
+    ack_raw, raw = reply[1], reply[2]
+  else
+    raw = redis.pcall('HGET', state, s_id)
+    if type(raw) == 'table' then refusal = {raw, state} break end
+  end
+  body = redis.pcall('HGET', bodies, s_id)
+  if type(body) == 'table' then refusal = {body, bodies} break end
+  local record
+  if s_acking then
+    local tk, cl, pb = string.match(ack_raw or '', '^(%d+)|%d+|%d+|%d+|%d|%d+|%d+|(%w*)|([%w_.:@/+=,~%-]*)$')
+    if tk ~= ack_token or cl ~= ack_claim then break end
+    record = tk .. '|' .. cl .. '|' .. pb
+  end
+  if not body then break end
+  local tk, dl, middle, pb = string.match(raw or '', '^(%d+)|(%d+)|(%d+|%d+|%d|%d+)|%d+|%w*|([%w_.:@/+=,~%-]*)$')
+  if not tk then break end
+  if request_ttl > 0 then
+    reply = redis.pcall('SET', request, s_id, 'NX', 'GET', 'PX', ARGV[4])
+    if type(reply) == 'table' then refusal = {reply, request} break end
+    if reply then break end
+    sw = 2
+  end
+  if s_acking then
+    reply = redis.pcall('BITFIELD', counters, 'INCRBY', 'i64', '#2', '1', 'INCRBY', 'i64', '#3', '1')
+  else
+    reply = redis.pcall('BITFIELD', counters, 'INCRBY', 'i64', '#2', '1')
+  end
+  if reply.err then refusal = {reply, counters} break end
+  sw = 3
+  local acked_total = reply[2]
+  if s_acking and window > 0 then
+    reply = redis.pcall('ZADD', done, 'NX', now_ms, ack_id)
+    if type(reply) == 'table' then refusal = {reply, done} break end
+    s_done_added = reply
+    if reply == 0 then
+      s_done_old = redis.call('ZSCORE', done, ack_id)
+      redis.call('ZADD', done, now_ms, ack_id)
+    end
+    reply = redis.pcall('HSETNX', acks, ack_id, record)
+    if type(reply) == 'table' then refusal = {reply, acks} break end
+    s_acks_set = reply
+    if reply == 0 then
+      s_acks_old = redis.call('HGET', acks, ack_id)
+      redis.call('HSET', acks, ack_id, record)
+    end
+  end
+  if wake_next and redis.call('ZCARD', ready) > 0 then
+    reply = redis.pcall('ZADD', wake_key, 0, WAKE_MEMBER)
+    if type(reply) == 'table' then refusal = {reply, wake_key} break end
+    s_wake_added = reply
+  end
+  -- The acked delivery out of `leases`: not leased (reclaimed, its holder was slow), it is looked for
+  -- in ready and delayed.
+  local in_ready, in_delayed = false, false
+  if s_acking then
+    reply = redis.pcall('ZREM', leases, ack_id)
+    if type(reply) == 'table' then refusal = {reply, leases} break end
+    if reply == 0 then
+      in_ready = redis.call('ZSCORE', ready, ack_id)
+      in_delayed = redis.pcall('ZSCORE', delayed, ack_id)
+      if type(in_delayed) == 'table' then refusal = {in_delayed, delayed} break end
+    end
+  end
+  -- Leases: the last key whose type was not known. Nothing below can be refused. The token is
+  -- max(previous + 1, server time in us), as text without a sprintf when it is server time.
+  local deadline = string.format('%.0f', tonumber(now_ms) + lease_ms)
+  reply = redis.pcall('ZADD', leases, deadline, s_id)
+  if type(reply) == 'table' then refusal = {reply, leases} break end
+  local previous = tonumber(tk)
+  local token = previous < now_us and t[1] .. us6 or string.format('%.0f', previous + 1)
+  local deliveries = dl == '0' and 1 or tonumber(dl) + 1
+  redis.call('HSET', state, s_id, token .. '|' .. (dl == '0' and '1' or deliveries) .. '|' .. middle .. '|'
+    .. deadline .. '|' .. claim_id .. '|' .. pb)
+  if not s_acking then return {{s_id, token, deliveries, body}, {}, {}} end
+  if in_ready then redis.call('ZREM', ready, ack_id) end
+  if in_delayed then redis.call('ZREM', delayed, ack_id) end
+  redis.call('HDEL', state, ack_id)
+  redis.call('HDEL', bodies, ack_id)
+  -- The done window's pruning, every 32 acks of the queue (finish.lua's PRUNE_EVERY), which keeps
+  -- `acks` a hash table too.
+  if window > 0 and acked_total % 32 == 0 then
+    redis.call('HSETNX', acks, TABLE_FIELD, TABLE_VALUE)
+    local old = redis.call('ZRANGE', done, '-inf', tonumber(now_ms) - window, 'BYSCORE', 'LIMIT', 0, 130)
+    if #old > 0 then
+      redis.call('ZREM', done, unpack(old))
+      redis.call('HDEL', acks, unpack(old))
+    end
+  end
+  return {{s_id, token, deliveries, body}, {}, {1}}
+until true
+
+--- @include "guard"
+--- @include "check_types"
+--- @include "server_time"
+--- @include "state"
+--- @include "set_dead"
+--- @include "ready"
+--- @include "reclaim_expired"
+--- @include "finish"
+--- @include "chunked"
+--- @include "keep_expiry"
+-- What the straight path wrote, undone newest first; then its refusal, or the general path.
+if sw > 0 then
+  if s_wake_added == 1 then redis.call('ZREM', wake_key, WAKE_MEMBER) end
+  if s_acks_set == 1 then redis.call('HDEL', acks, ARGV[13]) end
+  if s_acks_set == 0 then redis.call('HSET', acks, ARGV[13], s_acks_old) end
+  if s_done_added == 1 then redis.call('ZREM', done, ARGV[13]) end
+  if s_done_added == 0 then redis.call('ZADD', done, s_done_old, ARGV[13]) end
+  if sw >= 3 then uncount(counters, {claimed = 1, acked = s_acking and 1 or nil}) end
+  if sw >= 2 then redis.call('DEL', request) end
+  redis.call('ZADD', ready, s_score, s_id)
+end
+if refusal then
+  local kind = string.find(refusal[1].err, 'WRONGTYPE', 1, true) and 'WRONGTYPE' or 'REFUSED'
+  error({err = 'FENCED ' .. kind .. ' ' .. refusal[2] .. ': ' .. refusal[1].err})
 end
 local count = arg_int(ARGV[1], 'count', 1, 100000)
 local lease = arg_int(ARGV[2], 'lease ms', 1, 1e12)

@@ -203,6 +203,22 @@ class Records:
         # Every integer column of both databases holds 0 .. 2**31 - 1 (PostgreSQL's integer is the narrowest).
         return all(type(n) is int and 0 <= n < _SMALL for n in numbers)
 
+    def unstorable_queued(self, record: QueuedRecord) -> str | None:
+        """What of a publish's *queued* record its row could not store, named; ``None`` when it fits.
+
+        A key or id with a NUL would be refused by PostgreSQL and cut short by
+        SQLite (a row under another key): the record is not written, and the
+        worker dead-letters the message naming the value (:meth:`unstorable`).
+        """
+        for name, value, column in (
+            ("idempotency key", record.key, _KEY_COLUMN),
+            ("header id", record.task_id, _LOG_COLUMNS["task_id"]),
+        ):
+            problem = self.dialect.unstorable(column, value)
+            if problem is not None:
+                return f"{name} {value!r:.80} {problem}"
+        return None
+
     def holds_claims(self, delivery: DeliveryInfo) -> bool:
         """Whether this delivery's claim may wait for its success, in the body's transaction.
 

@@ -297,15 +297,16 @@ def test_a_refused_batch_keeps_its_messages_and_a_second_flush_stores_each_once(
 
 def test_closing_a_channel_while_redis_is_down_hands_nothing_to_kombu_s_emergency_dump(restartable_redis):
     """Kombu would pickle "unrestored" messages to a file; the leases expire instead, nothing is lost."""
-    conn = Connection(f"fenced://127.0.0.1:{restartable_redis.port}/0")
-    simple = conn.SimpleQueue("held")
-    simple.put({"n": 1})
-    assert simple.get(timeout=2).payload == {"n": 1}
-    restartable_redis.stop()
-    simple.channel.qos.restore_unacked_once()  # no AttributeError, no dump
-    restartable_redis.start()
-    fenced = simple.channel.fenced_queue("held")
-    assert fenced.stats().leased == 1  # still in Redis, reclaimed when its lease ends
+    with Connection(f"fenced://127.0.0.1:{restartable_redis.port}/0") as conn:
+        simple = conn.SimpleQueue("held")
+        simple.put({"n": 1})
+        assert simple.get(timeout=2).payload == {"n": 1}
+        restartable_redis.stop()
+        simple.channel.qos.restore_unacked_once()  # no AttributeError, no dump
+        restartable_redis.start()
+        fenced = simple.channel.fenced_queue("held")
+        assert fenced.stats().leased == 1  # still in Redis, reclaimed when its lease ends
+        simple.close()  # Its lease keeper stops with it, before the fixture stops this Redis.
 
 
 def test_a_busy_consumer_claims_as_its_poll_command_and_survives_a_script_flush(fenced_url, redis_client):

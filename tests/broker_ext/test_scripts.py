@@ -1004,3 +1004,70 @@ def test_a_counted_requeue_goes_to_the_back_and_a_give_back_to_the_front_as_redi
     patient.requeue([second.delivery], counted=False)
     order = [c.delivery.message_id for c in patient.claim(4)]
     assert order == ["second", "fourth", "first", "third"]
+
+
+def written_by_a_claim_that_acks(queue: FencedQueue, client: redis.Redis, count: int) -> dict:
+    """Publish a and b, claim a, then ack it in a claim of ``count`` that takes b: what Redis holds after."""
+    queue.publish([message("a", publish_id="pa"), message("b", publish_id="pb")])
+    (first,) = queue.claim(1, upkeep=False)
+    reply = queue.ack_and_claim([first.delivery], count, claim_id="second", upkeep=False)
+    (taken,) = reply.claimed
+    k = queue.keys
+    record = client.hget(k.state, "b").decode().split("|")
+    assert record[0] == str(taken.delivery.token) and record[7] == "second"
+    assert int(record[6]) == int(client.zscore(k.leases, "b"))  # first deadline: the lease's
+    return {
+        "acked": reply.acked,
+        "taken": (taken.delivery.message_id, taken.delivery.delivery_count, taken.payload),
+        "b": [record[i] for i in (1, 2, 3, 4, 8)],  # deliveries, charged, interrupted, priority, publish ids
+        "a": (client.hget(k.state, "a"), client.hget(k.bodies, "a"), client.zscore(k.leases, "a")),
+        "acks": client.hget(k.acks, "a").decode() == f"{first.delivery.token}|{first.delivery.claim}|pa",
+        "done": client.zrange(k.done, 0, -1),
+        "leases": client.zrange(k.leases, 0, -1),
+        "ready": client.zcard(k.ready),
+        "request": client.get(k.claim_request("second")),
+        "counters": queue.stats().counters,
+    }
+
+
+def test_the_straight_path_of_a_prefetch_1_claim_writes_what_the_general_path_writes(redis_client):
+    """claim.lua runs one message and one ack straight through (count 1); count 2 takes the general path,
+    and with one message left to take it must leave Redis the same, token and times apart."""
+    straight = written_by_a_claim_that_acks(FencedQueue(redis_client, "straight"), redis_client, 1)
+    general = written_by_a_claim_that_acks(FencedQueue(redis_client, "general"), redis_client, 2)
+    assert straight == general
+    assert straight["acked"] == [Reply.OK] and straight["a"] == (None, None, None) and straight["acks"]
+    assert straight["b"] == ["1", "0", "0", "0", "pb"] and straight["leases"] == [b"b"]
+
+
+@pytest.mark.parametrize("key_name", ["delayed", "leases"])
+def test_an_upkeep_claim_with_nothing_to_do_refuses_a_key_of_the_wrong_type_with_nothing_written(
+    patient, redis_client, key_name
+):
+    """Upkeep at prefetch 1 reads delayed and leases first (a ZRANGE each): a wrong type is refused there."""
+    patient.publish([message("a"), message("b")])
+    (first,) = patient.claim(1, upkeep=False)
+    key = getattr(patient.keys, key_name)
+    saved = plant(redis_client, key, key_name)
+    before = snapshot(redis_client)
+    with pytest.raises(ScriptRefused, match=f"WRONGTYPE {re.escape(key)}"):
+        patient.ack_and_claim([first.delivery], 1, upkeep=True)
+    assert snapshot(redis_client) == before
+    unplant(redis_client, key, saved)
+    (taken,) = patient.ack_and_claim([first.delivery], 1, upkeep=True).claimed
+    assert taken.delivery.message_id == "b"
+
+
+def test_acks_is_kept_a_hash_table_and_its_extra_field_is_no_acked_id(patient, redis_client):
+    """From the first pruning (32 acks) `acks` holds a newline field that makes Redis keep it a hash table
+    (no listpack scan per record); an ack of that id is still NOT_FOUND, as any id never published."""
+    patient.publish([message(str(n)) for n in range(40)])
+    (held,) = patient.claim(1, upkeep=False)
+    for _ in range(31):
+        (held,) = patient.ack_and_claim([held.delivery], 1, upkeep=False).claimed
+    assert redis_client.object("encoding", patient.keys.acks) == b"listpack"
+    (held,) = patient.ack_and_claim([held.delivery], 1, upkeep=False).claimed
+    assert redis_client.object("encoding", patient.keys.acks) == b"hashtable"
+    assert redis_client.hlen(patient.keys.acks) == 32 + 1
+    assert patient.ack([replace(held.delivery, message_id="\n")]) == [Reply.NOT_FOUND]
+    assert patient.ack([held.delivery]) == [Reply.OK]

@@ -14,6 +14,7 @@ import contextlib
 import io
 import itertools
 import json
+import threading
 import time
 from collections import Counter
 
@@ -193,10 +194,6 @@ def _round_trips(ports: list[int]):
 def test_an_idle_consumer_wakes_for_a_publish_on_any_shard_without_waiting_a_poll(connect, where, prefix):
     """The consumer's poll interval is 30 s: a delivery within 5 s was woken, not polled (with a
     ``global_keyprefix`` too, which Kombu's client strips from the BZPOPMIN reply)."""
-    if where == "cluster" and prefix:
-        pytest.skip(
-            "a declare with global_keyprefix on a cluster fails in Kombu's queue_bind, sharded or not"
-        )
     conn = connect(queue_shards=3, polling_interval=30, global_keyprefix=prefix)
     queue = Queue("hot", Exchange("hot"), routing_key="hot")
     producer_conn = connect(queue_shards=3, global_keyprefix=prefix)
@@ -506,12 +503,19 @@ def test_a_wake_up_the_relay_takes_as_it_stops_goes_back_to_its_marker(redis_clu
     def relay_blocked() -> bool:
         return any(entry["cmd"] == "bzpopmin" and "b" in entry["flags"] for entry in node.client_list())
 
+    others = set(threading.enumerate())
+
+    def relay_threads() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == "fenced-wake-relay"]
+
     try:
         relay.watch([[marker]])
         assert wait_for(relay_blocked, timeout=10)
         relay.stop()
         client.zadd(marker, {"w": 0})
         assert wait_for(lambda: not relay_blocked(), timeout=10)
+        # Unblocked, the relay took the marker: it puts it back before its thread ends.
+        assert wait_for(lambda: not set(relay_threads()) - others, timeout=10)
         assert client.zrange(marker, 0, -1) == [b"w"]
     finally:
         relay.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,19 @@ from lab.redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: What a copy of the checkout to build the wheel from leaves out: environments, run data, build output.
+NOT_SOURCE = (
+    ".git",
+    ".venv*",
+    "var",
+    "node_modules",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+)
+
 #: Variables of this test run that must not leak into a new project's processes.
 PROJECT_UNSAFE_ENV = ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "QUEUEAPP_VAR_DIR", "DATABASE_URL", "REDIS_URL")
 COMMAND_TIMEOUT = 300
@@ -22,10 +36,16 @@ COMMAND_TIMEOUT = 300
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> Path:
-    """``pip wheel`` of the checkout (no dependencies), in a temporary directory outside it."""
+    """``pip wheel`` of a copy of the checkout (no dependencies), in a temporary directory outside it.
+
+    setuptools builds in the source tree (``build/``, ``*.egg-info``): built from the checkout itself,
+    two runs at once (``bin/test`` runs its stages side by side) would write the same files.
+    """
     out = tmp_path_factory.mktemp("wheel")
+    source = tmp_path_factory.mktemp("source") / "project"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(source)],
         check=True,
         timeout=300,
     )

@@ -193,3 +193,37 @@ def test_an_unreachable_stock_redis_is_not_remembered_as_an_outage_of_the_fenced
     assert broker_reads.current_outage(f"127.0.0.1:{redis_server.port}") is None
     response = admin_client.get(reverse("admin:queueapp_taskoutcome_queues"))
     assert "unreachable" not in response.content.decode()
+
+
+@pytest.mark.django_db
+def test_a_stock_redis_that_stops_answering_mid_move_is_named_and_not_remembered_as_a_fenced_outage(
+    outage_redis, monkeypatch, admin_client
+):
+    """The stock Redis paused after the move began (its lists being read): the command names the stock
+    address, and the admin still reads the healthy fenced broker at once."""
+    from django.core.management import CommandError, call_command
+    from django.urls import reverse
+
+    from broker_ext.adoption import StockBroker
+    from lab.redis_servers import RedisServer
+    from queueapp import broker_reads
+
+    fenced_server, _ = outage_redis
+    with RedisServer() as stock:
+        stock_url = f"redis://127.0.0.1:{stock.port}/0"
+        publish_before_the_cutover(stock_url, count=3, task="shop.tasks.charge")
+        queue_lists = StockBroker.queue_lists
+
+        def paused_first(self, queue):  # The fault, at a known point of the move: no timing luck.
+            stock.pause()
+            return queue_lists(self, queue)
+
+        monkeypatch.setattr(StockBroker, "queue_lists", paused_first)
+        try:
+            with pytest.raises(CommandError, match=f"stock Redis at 127.0.0.1:{stock.port}/0 failed"):
+                call_command("adopt_stock_queues", "--from", stock_url)
+        finally:
+            stock.resume()
+    assert broker_reads.current_outage(f"127.0.0.1:{fenced_server.port}") is None
+    response = admin_client.get(reverse("admin:queueapp_taskoutcome_queues"))
+    assert "unreachable" not in response.content.decode()

@@ -197,6 +197,22 @@ def test_a_record_the_database_cannot_take_does_not_take_its_batch_down(settings
         assert "1 queued records could not be stored (the first: kkk" in caplog.text
 
 
+@pytest.mark.parametrize("field", ["key", "task_id"])
+def test_a_key_or_id_the_database_cannot_store_is_not_recorded_under_another_key(settings, caplog, field):
+    """A NUL is refused by PostgreSQL and cut short by SQLite: no row is written (not one under the key
+    cut at the NUL), and the warning names the value; the worker dead-letters the message naming it."""
+    settings.QUEUEAPP = {"QUEUED_WRITE_DELAY": 60.0}
+    caplog.set_level(logging.WARNING, logger="queueapp.queued")
+    prefix = str(uuid.uuid4())
+    values = {"key": prefix, "task_id": "id"}
+    values[field] = prefix + "\x00cut"
+    queued.record(values["key"], demo_tasks.effect.name, args=[], kwargs={}, task_id=values["task_id"])
+    assert queued.flush(timeout=10)
+    assert TaskOutcome.objects.filter(idempotency_key__startswith=prefix).count() == 0
+    name = {"key": "idempotency key", "task_id": "header id"}[field]
+    assert f"not recorded as queued: its {name} {values[field]!r} has a NUL character" in caplog.text
+
+
 def test_a_delay_of_zero_writes_the_record_in_the_publish(settings):
     settings.QUEUEAPP = {"QUEUED_WRITE_DELAY": 0}
     result = demo_tasks.effect.delay("now")

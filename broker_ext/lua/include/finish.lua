@@ -15,11 +15,13 @@
 -- checked, each is taken out of both).
 -- finish_write(k, plan): the rest: state, bodies, and ready or delayed where finish_unlease found them.
 -- finish_prune(k, now_ms, acked_total, acked_now): forget acks older than the window, every PRUNE_EVERY
--- acks of the queue (by its `acked` counter), a bounded number each time.
+-- acks of the queue (by its `acked` counter), a bounded number each time, and keep `acks` a hash
+-- table (lua/include/hash_table.lua): its records are written and read one by one.
 --- @include "state"
 --- @include "guard"
 --- @include "check_types"
 --- @include "chunked"
+--- @include "hash_table"
 local PRUNE_EVERY = 32
 local function finish_read(k, args, first)
   local plan = {replies = {}, current = {}}
@@ -59,7 +61,7 @@ local function finish_read(k, args, first)
       end
     else
       local by = by_id[id]
-      if not by then
+      if not by or id == TABLE_FIELD then
         reply = -1
       elseif string.match(by, '^[^|]*|[^|]*') == token .. '|' .. claim then
         reply = 2
@@ -137,6 +139,7 @@ end
 local function finish_prune(k, now_ms, acked_total, acked_now)
   if k.window == 0 or acked_now == 0 then return end
   if math.floor(acked_total / PRUNE_EVERY) == math.floor((acked_total - acked_now) / PRUNE_EVERY) then return end
+  redis.call('HSETNX', k.acks, TABLE_FIELD, TABLE_VALUE)
   local limit = 4 * PRUNE_EVERY + 2 * acked_now
   local old = redis.call('ZRANGE', k.done, '-inf', now_ms - k.window, 'BYSCORE', 'LIMIT', 0, limit)
   chunked(redis.call, 'ZREM', k.done, old)

@@ -14,7 +14,7 @@ from kombu.exceptions import OperationalError
 from kombu.transport import redis as kombu_redis
 
 from broker_ext.adoption import DEFAULT_BATCH, DEFAULT_LEDGER_TTL_S, Mover, MoveReport, QueueMove, StockBroker
-from queueapp.broker_reads import bounded_channel, broker_timeout
+from queueapp.broker_reads import BROKER_ERRORS, bounded_channel, broker_timeout
 from queueapp.errors import BrokerUnavailable
 from queueapp.management.names import broker_error
 from queueapp.management.progress import progress_bar
@@ -93,12 +93,20 @@ class Command(BaseCommand):
             # reads of a healthy broker for a while.
             stock_connection.ensure_connection(max_retries=0, timeout=timeout)  # once, bounded
             with bounded_channel(app) as fenced:
-                report = self._move(app, stock_connection, fenced, options)
+                try:
+                    report = self._move(app, stock_connection, fenced, options)
+                except BROKER_ERRORS as exc:
+                    # Either Redis may have failed mid-move: the one that no longer answers is named, and
+                    # only the fenced broker's failure is its outage.
+                    if not _answers(stock_connection):
+                        raise StockFailed(exc) from exc
+                    raise
         except BrokerUnavailable as exc:
             raise broker_error(exc, "stopped (run it again: nothing moves twice): ") from exc
-        except (OSError, OperationalError, redis.exceptions.RedisError) as exc:
+        except (StockFailed, OSError, OperationalError, redis.exceptions.RedisError) as exc:
+            cause = exc.args[0] if isinstance(exc, StockFailed) else exc
             raise CommandError(
-                f"the stock Redis at {_address(source)} failed: {exc!r}; stopped (run it again: nothing "
+                f"the stock Redis at {_address(source)} failed: {cause!r}; stopped (run it again: nothing "
                 "moves twice)"
             ) from exc
         finally:
@@ -168,6 +176,20 @@ def _queue_line(move: QueueMove, dry_run: bool) -> str:
     if move.gone:
         parts.append(f"; {move.gone} taken by stock workers meanwhile")
     return " ".join(parts).replace(" ;", ";")
+
+
+class StockFailed(Exception):
+    """The stock Redis failed mid-move (``args[0]``: its error); not an outage of the fenced broker."""
+
+
+def _answers(connection: Connection) -> bool:
+    """Whether a Redis still answers a PING on a new connection, within the connection's socket timeout."""
+    try:
+        with connection.clone() as probe:
+            probe.default_channel.client.ping()
+    except (OSError, OperationalError, redis.exceptions.RedisError):
+        return False
+    return True
 
 
 def _address(url: str) -> str:
