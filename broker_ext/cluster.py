@@ -11,11 +11,14 @@ differs from a single Redis:
   so they are sent one by one; the calls of one queue were one script call
   already.
 * One BZPOPMIN waits on keys of one slot only: a consumer waits on the
-  wake-up marker of its *home* queue (the first it consumes), on the node that owns it,
+  wake-up markers of its *home* queue (the first it consumes), on the node that owns it,
   and claims from every queue it consumes whenever it wakes, so a message on
   another queue waits at most ``brpop_timeout`` (1 s). The shards of a sharded
   queue are the exception: a relay thread per other slot of theirs
-  (:mod:`broker_ext.wake_relay`) passes their wake-ups on to the home marker.
+  (:mod:`broker_ext.wake_relay`) passes their wake-ups on to the consumer's own
+  key in its home slot. Of a sharded queue, each consumer's home is one of its
+  slots in turn (a counter in shard 0's slot), so that the consumers' blocking
+  polls, and the wake-ups they serve, spread over the masters.
 * Script calls are grouped per node, one pipeline each (:mod:`broker_ext.nodes`).
 * Fanout (remote control, events) is Redis pub/sub, which a cluster
   broadcasts to every node: its connection goes to any node of the cluster.
@@ -43,6 +46,7 @@ from redis.crc import key_slot
 from broker_ext.channel import Channel
 from broker_ext.consume import Empty
 from broker_ext.errors import ConfigurationError
+from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.wake_relay import WakeRelay
 
 #: Connection settings of Kombu's that are not passed on to the cluster client.
@@ -77,6 +81,12 @@ class ClusterChannel(Channel):
 
     def __init__(self, *args, **kwargs) -> None:
         self._home_queue: str | None = None
+        #: Per sharded queue, this consumer's turn among those that chose a home slot of it.
+        self._home_turns: dict[str, int] = {}
+        #: Names this channel's own wake-up key (:meth:`broker_ext.keys.QueueKeys.inbox`).
+        self._inbox_id = new_claim_id()
+        #: The own key the last poll waited on: where the relays set their wake-ups.
+        self._polled_inbox: str | None = None
         super().__init__(*args, **kwargs)
 
     @cached_property
@@ -144,14 +154,36 @@ class ClusterChannel(Channel):
 
     # -- the blocking poll on the home queue's node ----------------------------------------
 
+    def _home_slot(self, queue: str) -> list[FencedQueue]:
+        """The shards of ``queue`` in this consumer's home slot: the slot its turn falls on.
+
+        The turn is taken once per queue (an ``INCR`` in shard 0's slot), so
+        that consumers starting one after another block on the queue's slots
+        in turn, one master after the next, instead of all on shard 0's.
+        """
+        return self._home_of(queue, _slot_groups(self.fenced_queue(queue).shards))
+
+    def _home_of(self, queue: str, groups: list[list[FencedQueue]]) -> list[FencedQueue]:
+        if len(groups) == 1:
+            return groups[0]
+        turn = self._home_turns.get(queue)
+        if turn is None:
+            turn = int(self.fenced_client.incr(self.fenced_queue(queue).keys.homes)) - 1
+            self._home_turns[queue] = turn
+        return groups[turn % len(groups)]
+
+    def _inbox(self, queue: str) -> str:
+        """This channel's own wake-up key in its home slot of ``queue``: only its poll pops it."""
+        return self._home_slot(queue)[0].keys.inbox(self._inbox_id)
+
     def _home_node(self) -> ClusterNode:
         if self._home_queue is None:
             return self.fenced_client.get_default_node()
-        return self.fenced_client.get_node_from_key(self.fenced_queue(self._home_queue).keys.wake)
+        return self.fenced_client.get_node_from_key(self._inbox(self._home_queue))
 
     @cached_property
     def client(self):
-        """The blocking poll's client, connected to the node that owns the home queue's wake-up marker."""
+        """The blocking poll's client, connected to the node that owns the home slot."""
         return self.Client(connection_pool=self._node_pool(self._home_node(), asynchronous=True))
 
     def _move_home(self, queue: str | None) -> None:
@@ -179,23 +211,35 @@ class ClusterChannel(Channel):
         return result
 
     def brpop_keys(self, queues: list[str]) -> list[str]:
-        """The home queue's marker and those of its shards in the same slot; other shards are relayed."""
+        """This channel's own key first (relayed wake-ups, its busy marker), then the markers of the
+        home queue's shards in its home slot; the other slots' shards are relayed."""
         home = self._home_queue if self._home_queue in queues else queues[0]
-        groups = _wake_groups([shard.keys.wake for shard in self.fenced_queue(home).shards])
-        home_keys = groups.pop(0)
+        slots = _slot_groups(self.fenced_queue(home).shards)
+        home_shards = self._home_of(home, slots)
+        groups = [[shard.keys.wake for shard in group] for group in slots if group is not home_shards]
         for queue in queues:
             shards = self.fenced_queue(queue).shards
             if queue != home and len(shards) > 1:
-                groups += _wake_groups([shard.keys.wake for shard in shards])
+                groups += [[shard.keys.wake for shard in group] for group in _slot_groups(shards)]
+        self._polled_inbox = home_shards[0].keys.inbox(self._inbox_id)
         self.wake_relay.watch(groups)
-        return home_keys
+        return [self._polled_inbox, *(shard.keys.wake for shard in home_shards)]
 
     @cached_property
     def wake_relay(self) -> WakeRelay:
         def home_key() -> str | None:
-            return self.fenced_queue(self._home_queue).keys.wake if self._home_queue else None
+            return self._polled_inbox if self._home_queue else None
 
-        return WakeRelay(self.fenced_client, home_key)
+        relay = WakeRelay(self.fenced_client, home_key)
+        relay.idle.clear()  # Until the consumer's first poll blocks.
+        return relay
+
+    def _poll_waits(self, waiting: bool) -> None:
+        """The relays wait for wake-ups only while this consumer's poll does."""
+        if waiting:
+            self.wake_relay.idle.set()
+        elif "wake_relay" in self.__dict__:
+            self.wake_relay.idle.clear()
 
     def _brpop_read(self, **options):
         try:
@@ -229,9 +273,9 @@ class ClusterChannel(Channel):
             client.close()
 
 
-def _wake_groups(keys: list[str]) -> list[list[str]]:
-    """Wake-up keys grouped by slot (one BZPOPMIN each), the first key's group first."""
-    groups: dict[int, list[str]] = {}
-    for key in keys:
-        groups.setdefault(key_slot(key.encode()), []).append(key)
+def _slot_groups(shards: list[FencedQueue]) -> list[list[FencedQueue]]:
+    """Shards grouped by the slot of their wake-up marker (one BZPOPMIN each), shard 0's group first."""
+    groups: dict[int, list[FencedQueue]] = {}
+    for shard in shards:
+        groups.setdefault(key_slot(shard.keys.wake.encode()), []).append(shard)
     return list(groups.values())

@@ -23,7 +23,8 @@ whose shard the claim did not ask is put back, so that no shard holding
 messages is left without one. On a Cluster a busy consumer (its last claim
 came back full) cannot send its claim as the poll (the claim's nodes are not
 the poll's): it sets a marker of its own in front of the BZPOPMIN instead,
-which returns at once, and its claims set no marker for the relays.
+in a key of its own that no other consumer or relay pops, which returns at
+once, and its claims set no marker for the relays.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, ClaimReply, Delivery
 from broker_ext.scripts import ScriptCall, command_of, is_transient, translate
-from broker_ext.wake_relay import RELAYED
+from broker_ext.wake_relay import RELAYED, WAKE_MEMBER
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +173,13 @@ class Consuming:
         self._put_backs.append(woken[1:])
 
     def _flush_put_backs(self) -> None:
-        """Put back now the markers no poll is about to carry (no credit left, or closing)."""
+        """Put back now the markers no poll is about to carry (no credit left, or closing). A relayed
+        one goes back to its shard's own marker, where every consumer (or its relay) waits, not to
+        this consumer's own key: it will not poll again before its work is done."""
         markers, self._put_backs = self._put_backs, []
         for key, member in markers:
+            if member.startswith(RELAYED):
+                key, member = member.removeprefix(RELAYED), WAKE_MEMBER
             try:
                 self.fenced_client.zadd(key, {member: 0})
             except self.connection_errors as exc:  # An idle claim after the poll timeout still comes round.
@@ -367,11 +372,14 @@ class Consuming:
         self._polled_keys = self.brpop_keys(queues)
         poll = ("BZPOPMIN", *self._polled_keys, timeout or 0)
         carried = [marker for marker in self._put_backs if marker[0] in self._polled_keys]
-        if not self.pipelines_scripts and self._more_ready in queues:
+        busy = not self.pipelines_scripts and self._more_ready in queues
+        if busy:
             # A busy consumer on a Cluster (its claims go to other nodes than its poll): a marker of its
-            # own in front of the BZPOPMIN returns it at once, and its claims set no marker (as a busy
-            # consumer's polled claims on a single Redis), which spares the relays a wake-up each.
+            # own in front of the BZPOPMIN, in its own key (the first polled, which no one else pops),
+            # returns it at once, and its claims set no marker (as a busy consumer's polled claims on a
+            # single Redis), which spares the relays a wake-up each.
             carried.append((self._polled_keys[0], self._busy_marker))
+        self._poll_waits(not busy)
         if not carried:
             connection.send_command(*poll)
             return
@@ -429,7 +437,12 @@ class Consuming:
         """Claimed while the channel closed: back to the queue unspent, before anyone waits for a lease."""
         self.qos.give_back([delivery_of(payload["properties"]) for payload in payloads], counted=False)
 
+    def _poll_waits(self, waiting: bool) -> None:
+        """Told whether the poll just sent blocks for a wake-up (on a Cluster its relays wait only
+        then); nothing to do on a single Redis."""
+
     def _brpop_read(self, **options):
+        self._poll_waits(False)
         try:
             pending, self._polled_claim = self._polled_claim, None
             if pending is not None:
@@ -450,9 +463,11 @@ class Consuming:
             queues = self.active_queues
             if reply:
                 member = bytes_to_str(reply[1])
-                woken, marker = self._woken(bytes_to_str(reply[0]), member)
-                self._queue_cycle.rotate(woken)
                 busy = member == self._busy_marker  # its own: no marker to put back, none to set
+                woken, marker = (
+                    (self._more_ready, None) if busy else self._woken(bytes_to_str(reply[0]), member)
+                )
+                self._queue_cycle.rotate(woken)
                 if woken in queues and self.claim_and_deliver(
                     [woken], None if busy else marker, wake_next=not busy
                 ):

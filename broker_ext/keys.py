@@ -19,6 +19,8 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:acks``    hash    acked ids -> "token|claim" of the delivery that acked it
 ``fenced:{T}:counters`` string the sequence (FIFO within a priority) and the counters, 64 bits each
 ``fenced:{T}:wake``    zset    the wake-up marker idle consumers block on (one member)
+``fenced:{T}:wake:C``  zset    on a Cluster, consumer channel C's own wake-ups: what the relays pass on
+                               to it, and its busy marker (:mod:`broker_ext.wake_relay`)
 ``fenced:{T}:dedups``  list    recent deduplicated publishes (capped, JSON)
 ``fenced:{T}:reclaims`` list   recent lease expiries that were reclaimed (capped, JSON)
 ``fenced:{T}:requeues`` list   recent deliveries their consumer gave back, and why (capped, JSON)
@@ -26,6 +28,7 @@ Layout for queue ``q`` (tag ``T``):
 ``fenced:{T}:dedup:K`` string  dedup key K -> message id, expires with its window
 ``fenced:{T}:claim:R`` string  the ids claim R leased, for a resent claim (expires)
 ``fenced:{T}:shards``  string  the shard layout of a sharded queue (JSON, :mod:`broker_ext.shards`)
+``fenced:{T}:homes``   string  consumers that chose a home slot of the sharded queue, counted (INCR)
 ``fenced:consumers``   hash    consumer id -> what its lease keeper last reported (JSON)
 ``fenced:adopting``    hash    on a stock Redis: messages taken out of its queues, not yet stored
                                in their fenced queue on another server (JSON [queue, publish id] -> payload)
@@ -83,6 +86,11 @@ class QueueKeys:
     def shards(self) -> str:
         """The shard layout of the queue (kept under the queue's own tag, shard 0's slot)."""
         return f"{self.prefix}{PREFIX}:{{{hash_tag(self.queue)}}}:shards"
+
+    @cached_property
+    def homes(self) -> str:
+        """How many consumers chose a home slot among the queue's shards (shard 0's slot)."""
+        return f"{self.prefix}{PREFIX}:{{{hash_tag(self.queue)}}}:homes"
 
     def _key(self, name: str) -> str:
         return f"{self.base}:{name}"
@@ -160,6 +168,10 @@ class QueueKeys:
     def retired(self) -> list[str]:
         """Keys earlier versions wrote that this one no longer does (a queue's delete removes them)."""
         return [self._key("signal"), self.seq, self.stats]
+
+    def inbox(self, consumer: str) -> str:
+        """Consumer channel ``consumer``'s wake-ups, in this shard's slot: no one else pops them."""
+        return self._key(f"wake:{consumer}")
 
     def dedup(self, dedup_key: str) -> str:
         return self._key(f"dedup:{dedup_key}")

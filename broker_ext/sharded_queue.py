@@ -343,7 +343,7 @@ class ShardedQueue:
     def delete(self) -> None:
         for shard in self.shards:
             shard.delete()
-        self.client.delete(self.keys.shards)
+        self.client.delete(self.keys.shards, self.keys.homes)
 
     def touch(self, ttl_ms: int) -> None:
         for shard in self.shards:

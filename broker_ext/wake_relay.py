@@ -1,15 +1,25 @@
-"""Wake-ups from the shards on other masters, relayed to the marker an idle consumer blocks on.
+"""Wake-ups from the shards in other slots, relayed to the consumer waiting for them.
 
 On a single Redis one BZPOPMIN waits on the wake-up marker of every shard.
 On a Cluster one BZPOPMIN waits on keys of one slot, and Kombu's event loop
-polls one connection per channel: the consumer blocks on its home marker
-(the shards that share the home queue's slot, :mod:`broker_ext.shards`), and
-a relay thread per other slot of its sharded queues blocks on that slot's
-markers, on the node that owns it. When a publish sets one, the relay takes
-it and sets the home marker, which wakes an idle consumer there at once; the
-woken consumer claims in its rotation over the shards (and puts the marker back if
-that claim did not ask its shard). No shard waits for a poll interval,
-and an idle consumer costs one BZPOPMIN per ``RELAY_TIMEOUT`` per relay.
+polls one connection per channel: the consumer blocks on its *home* slot's
+markers (a slot of its sharded queue chosen per consumer, so that the
+consumers' blocking polls spread over the masters: :mod:`broker_ext.cluster`)
+and on its own wake-up key there (``fenced:{T}:wake:C``), and a relay thread
+per other slot of its sharded queues blocks on that slot's markers, on the
+node that owns it. When a publish sets one, the relay takes it and sets it in
+the consumer's own key, which wakes it at once; the woken consumer claims in
+its rotation over the shards (and puts the member back in its own key if that
+claim did not ask its shard and it polls again at once, else on the shard's
+own marker). No shard waits for a poll interval.
+
+Only the consumer pops its own key: a relayed wake-up never lands where
+another consumer's relay would take it and pass it on again. A relay waits
+only while its consumer waits (:attr:`WakeRelay.idle`): a marker its relay
+takes while the consumer is busy goes back to its shard's key for whoever
+else waits there (another consumer idle, or its relay), instead of sitting in
+a busy consumer's key. An idle consumer costs one BZPOPMIN per
+``RELAY_TIMEOUT`` per relay.
 """
 
 from __future__ import annotations
@@ -23,20 +33,28 @@ import redis
 
 logger = logging.getLogger(__name__)
 
+#: The member a publish (or a claim leaving messages) sets in a shard's marker (lua/include/wake.lua).
+WAKE_MEMBER = "ready"
 #: What a relayed wake-up's member starts with; the rest names the shard's marker the relay took, so
 #: that the woken consumer knows whether its claim asked that shard (else it puts the member back).
 RELAYED = "relayed:"
+#: Seconds a consumer's own key outlives the last wake-up relayed to it (one it never popped: it died).
+INBOX_TTL = 3600
 #: Seconds a relay's BZPOPMIN blocks before it is sent again (it also notices a stop then).
 RELAY_TIMEOUT = 5
 
 
 class WakeRelay:
-    """Threads relaying wake-ups of remote slots to one home marker; the set follows :meth:`watch`."""
+    """Threads relaying wake-ups of remote slots to one consumer's own key; the set follows :meth:`watch`."""
 
     def __init__(self, cluster, home_key: Callable[[], str | None], timeout: float = RELAY_TIMEOUT) -> None:
         self.cluster = cluster
         self.home_key = home_key
         self.timeout = timeout
+        #: Set while the consumer blocks in its poll (it takes a wake-up at once); the relays wait
+        #: only then. Set from the start for a relay used on its own.
+        self.idle = threading.Event()
+        self.idle.set()
         self._threads: dict[tuple[str, ...], threading.Event] = {}
         self._lock = threading.Lock()
 
@@ -73,6 +91,8 @@ class WakeRelay:
         client: redis.Redis | None = None
         while not stopped.is_set():
             try:
+                if not self.idle.wait(self.timeout):
+                    continue  # The consumer is busy: it claims anyway; others may take the marker.
                 if client is None:
                     client = self._node_client(keys[0])
                 woken = client.bzpopmin(keys, self.timeout)
@@ -80,15 +100,17 @@ class WakeRelay:
                     continue
                 taken, member, score = woken
                 home = self.home_key()
-                if home is None or stopped.is_set():
-                    # Not relayed (stopping, or no consumer here): the marker goes back for whoever
-                    # else waits on it.
+                if home is None or stopped.is_set() or not self.idle.is_set():
+                    # Not relayed (stopping, no consumer here, or it got busy meanwhile): the marker
+                    # goes back for whoever else waits on it; this relay waits until it is idle again.
                     client.zadd(taken, {member: score})
-                    stopped.wait(self.timeout)
+                    if home is None or stopped.is_set():
+                        stopped.wait(self.timeout)
                     continue
-                self.cluster.zadd(
-                    home, {RELAYED + (taken.decode() if isinstance(taken, bytes) else taken): 0}
-                )
+                pipe = self.cluster.pipeline(transaction=False)
+                pipe.zadd(home, {RELAYED + (taken.decode() if isinstance(taken, bytes) else taken): 0})
+                pipe.expire(home, INBOX_TTL)  # A consumer that died before popping leaves nothing behind.
+                pipe.execute()
             except Exception as exc:  # MOVED after a resharding, a failover, a lost node
                 logger.info("wake relay on %s: %r; reconnecting", keys[0], exc)
                 if client is not None:

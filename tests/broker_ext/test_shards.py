@@ -21,6 +21,7 @@ from collections import Counter
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.utils.encoding import bytes_to_str
 from redis.crc import key_slot
 
 from broker_ext import nodes
@@ -30,7 +31,7 @@ from broker_ext.qos import by_shard
 from broker_ext.records import OutgoingMessage, Place
 from broker_ext.scripts import SCRIPT_NAMES, source
 from broker_ext.shards import cluster_map, masters_in_slot_order, plan, shard_index
-from broker_ext.wake_relay import WakeRelay
+from broker_ext.wake_relay import RELAYED, WAKE_MEMBER, WakeRelay
 from lab.bench.cost import RoundTrips
 from lab.processes import wait_for
 from lab.redis_servers import RedisCluster
@@ -681,3 +682,229 @@ def test_claims_in_turns_over_slot_mates_ask_every_shard_within_a_bound_and_stra
             break
     assert got == set(published)
     assert [shard.stats().ready for shard in queue.shards] == [0] * 6
+
+
+def _consumers_of_6_shards(cluster_url: str, count: int, **options) -> list[Connection]:
+    """``count`` connections to the cluster, each a prefetch-1 consumer of queue ``hot`` over 6 shards."""
+    return [
+        Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}, **options})
+        for _ in range(count)
+    ]
+
+
+HOT = Queue("hot", Exchange("hot"), routing_key="hot")
+
+
+def _drain_in_turn(conns: list[Connection], done, seconds: float) -> None:
+    """Drain each connection briefly in turn (as the cluster bench does) until ``done``."""
+    deadline = time.monotonic() + seconds
+    for conn in itertools.cycle(conns):
+        if done() or time.monotonic() > deadline:
+            return
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.02)
+
+
+def test_consumers_of_a_sharded_queue_home_on_its_slots_in_turn_one_master_each(redis_cluster, cluster_url):
+    """Three consumers of 6 shards over 3 masters block on three different masters (before, all on
+    shard 0's, whose master served every wake-up); each polls its own key first, in its home slot, and
+    relays the other two slots, shard 0's included for two of them."""
+    conns = _consumers_of_6_shards(cluster_url, 3)
+    try:
+        channels = [conn.channel() for conn in conns]
+        with contextlib.ExitStack() as stack:
+            for channel in channels:
+                stack.enter_context(Consumer(channel, [HOT], callbacks=[], prefetch_count=1))
+            _drain_in_turn(conns, lambda: all(getattr(c, "_polled_keys", None) for c in channels), 10)
+            homes = []
+            for channel in channels:
+                keys = channel._polled_keys
+                assert keys[0].endswith(f":wake:{channel._inbox_id}")
+                assert len({key_slot(key.encode()) for key in keys}) == 1  # one BZPOPMIN: one slot
+                kwargs = channel.client.connection_pool.connection_kwargs
+                assert kwargs["port"] == redis_cluster.master_for(keys[0]).port
+                homes.append(kwargs["port"])
+                watched = channel.wake_relay.watched()
+                assert len(watched) == 2 and all(keys[0] not in group for group in watched)
+            assert len(set(homes)) == 3, homes
+            # Each one's own key (its busy marker, its relayed wake-ups) is polled by it alone and
+            # watched by no relay (before, the busy marker went to shard 0's marker, which all polled).
+            own = [channel._polled_keys[0] for channel in channels]
+            elsewhere = [key for c in channels for group in c.wake_relay.watched() for key in group]
+            elsewhere += [key for c in channels for key in c._polled_keys[1:]]
+            assert len(set(own)) == 3 and not set(own) & set(elsewhere)
+    finally:
+        for conn in conns:
+            conn.release()
+
+
+def test_a_publish_on_any_shard_wakes_one_of_three_idle_consumers_at_once(cluster_url):
+    """Three idle consumers with a poll interval of 30 s, each homed on a slot of its own: every
+    publish, on each of the 6 shards in turn and three times over, is delivered within 3 s (a wake-up
+    left to a poll interval would take 30)."""
+    conns = _consumers_of_6_shards(cluster_url, 3, polling_interval=30)
+    producer_conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}})
+    got: list[str] = []
+    try:
+        producer = Producer(producer_conn.channel())
+        producer.publish({}, exchange=HOT.exchange, routing_key="hot", message_id="first", declare=[HOT])
+
+        def take(body, message) -> None:
+            got.append(message.properties["fenced_message_id"])
+            message.ack()
+
+        with contextlib.ExitStack() as stack:
+            for conn in conns:
+                stack.enter_context(Consumer(conn.channel(), [HOT], callbacks=[take], prefetch_count=1))
+            _drain_in_turn(conns, lambda: got == ["first"], 10)
+            _drain_in_turn(conns, lambda: False, 0.5)  # idle: blocked on their markers, relays on theirs
+            waits = []
+            for message_id in ids_for_shards(6, 3, prefix="prompt"):
+                started = time.monotonic()
+                producer.publish({}, exchange=HOT.exchange, routing_key="hot", message_id=message_id)
+                _drain_in_turn(conns, lambda message_id=message_id: message_id in got, 10)
+                waits.append(time.monotonic() - started)
+                assert message_id in got, (message_id, got)
+            assert max(waits) < 3, waits
+    finally:
+        for conn in [*conns, producer_conn]:
+            conn.release()
+
+
+def test_a_busy_consumer_s_busy_marker_is_popped_by_itself_only(cluster_url):
+    """Three prefetch-1 consumers drain a backlog on every shard while a stand-in for any other
+    waiter (another consumer's poll, a relay) blocks on each one's home markers: each busy poll's
+    marker, set in the consumer's own key in front of its BZPOPMIN, comes back to that consumer,
+    never to the stand-ins, and no busy poll waits out its poll interval (before, with the marker in
+    a key the others' polls and relays waited on too, they took it and the busy consumer stalled)."""
+    conns = _consumers_of_6_shards(cluster_url, 3, polling_interval=1)
+    producer_conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}})
+    replies: dict[int, list] = {i: [] for i in range(3)}
+    taken: list[str] = []
+    stolen: list[str] = []
+    stop, spies = threading.Event(), []
+    try:
+        producer = Producer(producer_conn.channel())
+        with producer.batch():
+            for message_id in ids_for_shards(6, 30, prefix="busy"):
+                producer.publish(
+                    {}, exchange=HOT.exchange, routing_key="hot", message_id=message_id, declare=[HOT]
+                )
+        channels = [conn.channel() for conn in conns]
+
+        def take(body, message) -> None:
+            taken.append(message.delivery_tag)
+            message.ack()
+
+        with contextlib.ExitStack() as stack:
+            for channel in channels:
+                stack.enter_context(Consumer(channel, [HOT], callbacks=[take], prefetch_count=1))
+            for number, channel in enumerate(channels):
+                _record_polls(channel, replies[number])
+                keys = [shard.keys.wake for shard in channel._home_slot("hot")]
+                spy = threading.Thread(target=_stand_in, args=(cluster_url, keys, stop, stolen), daemon=True)
+                spy.start()
+                spies.append(spy)
+            started = time.monotonic()
+            _drain_in_turn(conns, lambda: len(taken) >= 180, 60)
+            assert len(taken) == 180, (len(taken), time.monotonic() - started)
+    finally:
+        stop.set()
+        for spy in spies:
+            spy.join(timeout=5)
+        for conn in [*conns, producer_conn]:
+            conn.release()
+    for number, channel in enumerate(channels):
+        members = [bytes_to_str(reply[1]) for reply in replies[number] if reply]
+        busy = [member for member in members if member.startswith("busy:")]
+        assert len(busy) >= 10, (number, members)  # it was busy, and its busy polls came back
+        assert set(busy) == {channel._busy_marker}, (number, set(busy))
+    assert not [member for member in stolen if member.startswith("busy:")], stolen
+
+
+def _record_polls(channel, replies: list) -> None:
+    """Append to ``replies`` each BZPOPMIN reply the channel's poll reads (the client of its home
+    slot's node, connected once its consumer started)."""
+    client = channel.client
+    parse = client.parse_response
+
+    def recorded(connection, command, *args, **kwargs):
+        reply = parse(connection, command, *args, **kwargs)
+        if command == "BZPOPMIN":
+            replies.append(reply)
+        return reply
+
+    client.parse_response = recorded
+
+
+def _stand_in(cluster_url: str, keys: list[str], stop: threading.Event, stolen: list[str]) -> None:
+    """Block on ``keys`` as another consumer's poll or relay would, and record what it pops (a wake-up
+    it takes is lost to the consumers: they find the messages at their next claim or poll timeout)."""
+    port = int(cluster_url.split(";")[0].rsplit(":", 1)[1].split("/")[0])
+    client = redis.RedisCluster(host="127.0.0.1", port=port)
+    node = client.get_redis_connection(client.get_node_from_key(keys[0]))
+    try:
+        while not stop.is_set():
+            popped = node.bzpopmin(keys, 0.2)
+            if popped:
+                stolen.append(bytes_to_str(popped[1]))
+    finally:
+        client.close()
+
+
+def test_a_relay_waits_only_while_its_consumer_waits_and_gives_back_what_it_took_meanwhile(redis_cluster):
+    """A relay whose consumer is busy does not block on its slot; one that was blocked when the consumer
+    got busy puts the marker it takes back on its shard's key, for another consumer that waits there,
+    instead of relaying it to a consumer that would see it only after its work."""
+    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port, client_name="relay-idle")
+    marker, inbox = "fenced:{relay-idle%S1.0}:wake", "fenced:{relay-idle}:wake:c1"
+    client.delete(marker, inbox)
+    relay = WakeRelay(client, lambda: inbox, timeout=5)
+    node = redis_cluster.master_for(marker).client()
+
+    def relay_blocked() -> bool:  # this relay's (its client has the name): other tests' may linger
+        entries = node.client_list()
+        return any(
+            e["cmd"] == "bzpopmin" and "b" in e["flags"] and e["name"] == "relay-idle" for e in entries
+        )
+
+    try:
+        relay.idle.clear()
+        relay.watch([[marker]])
+        client.zadd(marker, {"1": 0})
+        time.sleep(0.3)  # bounded by nothing to wait for: the relay must not take it at all
+        assert not relay_blocked() and client.zrange(marker, 0, -1) == [b"1"]
+        relay.idle.set()
+        assert wait_for(lambda: client.zrange(inbox, 0, -1) == [f"relayed:{marker}".encode()], timeout=10)
+        assert client.ttl(inbox) > 0  # a consumer that died before popping leaves nothing for ever
+        assert wait_for(relay_blocked, timeout=10)
+        relay.idle.clear()  # the consumer got busy while its relay was blocked
+        client.delete(inbox)
+        client.zadd(marker, {"1": 0})
+        assert wait_for(lambda: not relay_blocked(), timeout=10)
+        assert wait_for(lambda: client.zrange(marker, 0, -1) == [b"1"], timeout=10)
+        assert client.exists(inbox) == 0
+    finally:
+        relay.stop()
+        client.delete(marker, inbox)
+        client.close()
+
+
+def test_a_relayed_wake_up_put_back_by_a_consumer_that_stops_polling_goes_to_its_shard_s_marker(cluster_url):
+    """A consumer woken by a relayed wake-up that claimed another shard, and now holds its prefetch (no
+    poll before its work is done), puts the wake-up back on the shard's own marker, where any consumer
+    or relay waits, not in its own key, where it would sit until that work is done."""
+    conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}})
+    try:
+        channel = conn.channel()
+        with Consumer(channel, [HOT], callbacks=[], prefetch_count=1):
+            remote = channel.fenced_queue("hot").shards[1].keys.wake
+            inbox = channel._inbox("hot")
+            channel._put_back((1, inbox, f"{RELAYED}{remote}"))
+            channel._flush_put_backs()
+            raw = channel.fenced_client
+            assert raw.zrange(remote, 0, -1) == [WAKE_MEMBER.encode()]
+            assert raw.exists(inbox) == 0
+            assert f"WAKE_MEMBER = '{WAKE_MEMBER}'" in source("publish")  # the member the scripts set
+    finally:
+        conn.release()
