@@ -91,13 +91,14 @@ def _install_accessors(task_class: type) -> None:
 
 
 def _run(task, policy: ExactlyOncePolicy, body: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
-    if task.request.called_directly:
+    request = task.request  # A lookup in Celery's request stack: read once per delivery.
+    if request.called_directly:
         # Called as a plain function (``task(...)``): no delivery, nothing to deduplicate. A message
         # whose id is missing is a delivery all the same, and is refused as such.
         return body()
     from queueapp import execution  # Needs the models: imported once the apps are ready.
 
-    return execution.run(task, policy, body, args, kwargs)
+    return execution.run(task, policy, body, args, kwargs, request=request)
 
 
 def _wrap_function(fun: Callable, policy: ExactlyOncePolicy) -> Callable:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -72,15 +72,20 @@ def will_autoretry(task, exc: BaseException, retries: int) -> bool:
     return max_retries is None or retries < max_retries
 
 
-def run(task, policy, body: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
-    """A worker's (or ``apply()``'s) delivery of an exactly-once task, read from ``task.request``."""
+def run(task, policy, body: Callable[[], Any], args: tuple, kwargs: dict, *, request=None) -> Any:
+    """A worker's (or ``apply()``'s) delivery of an exactly-once task, read from ``request``.
+
+    ``request`` is ``task.request``, passed by a caller that has read it already.
+    """
+    if request is None:
+        request = task.request
 
     def read_and_execute() -> Any:
-        delivery = DeliveryInfo.from_request(task.request, task.name)
+        delivery = DeliveryInfo.from_request(request, task.name)
         key = policy.key_for(args, kwargs, delivery.task_id)
         return _execute(task, key, body, list(args), dict(kwargs), delivery)
 
-    return _guarded(task, task.request.id, read_and_execute)
+    return _guarded(task, request.id, read_and_execute)
 
 
 def execute(
@@ -188,7 +193,8 @@ def _deliver(step: _Delivery, *, claim_first: bool) -> Any:
                 decision = records.check(step.key, delivery, args=step.args, kwargs=step.kwargs)
             if isinstance(decision, KeyClaim):
                 running = True
-                with _running(decision, delivery):
+                reset = activate(_current_delivery(decision, delivery))
+                try:
                     result = commit(
                         decision,
                         step.body,
@@ -197,6 +203,8 @@ def _deliver(step: _Delivery, *, claim_first: bool) -> Any:
                         just_claimed=True,
                         transaction_open=in_check_transaction,
                     )
+                finally:
+                    deactivate(reset)
                 running = False
                 return result  # Leaving the check's transaction commits it.
     except Exception as exc:  # Rolled back; a failure is decided outside the check's transaction.
@@ -338,23 +346,16 @@ def _audit_cached_duplicate(task, key: str, delivery: DeliveryInfo) -> None:
             logger.warning("could not log the cached duplicate of %s: %r", key, exc)
 
 
-@contextlib.contextmanager
-def _running(claim: KeyClaim, delivery: DeliveryInfo) -> Iterator[None]:
-    """The :class:`CurrentDelivery` of a claimed delivery, for its body to read."""
-    reset = activate(
-        CurrentDelivery(
-            key=claim.key,
-            token=claim.token,
-            token_source=claim.token_source,
-            attempt=claim.attempt,
-            outcome_id=claim.outcome_id,
-            delivery=delivery,
-        )
+def _current_delivery(claim: KeyClaim, delivery: DeliveryInfo) -> CurrentDelivery:
+    """The :class:`CurrentDelivery` of a claimed delivery, for its body to read while it runs."""
+    return CurrentDelivery(
+        key=claim.key,
+        token=claim.token,
+        token_source=claim.token_source,
+        attempt=claim.attempt,
+        outcome_id=claim.outcome_id,
+        delivery=delivery,
     )
-    try:
-        yield
-    finally:
-        deactivate(reset)
 
 
 def _outranked(step: _Delivery, outranked: Outranked) -> None:

@@ -165,6 +165,12 @@ class Records:
         NUL) would make every write of the delivery, its verdict's too, fail
         the same way at every delivery.
         """
+        if self._storable_at_a_glance(key, delivery):
+            return None
+        return self._column_by_column(key, delivery)
+
+    def _column_by_column(self, key: str, delivery: DeliveryInfo) -> str | None:
+        """:meth:`unstorable`, each value against its own column's type."""
         for name, value, column in (
             ("idempotency key", key, _KEY_COLUMN),
             ("header id", delivery.task_id, _LOG_COLUMNS["task_id"]),
@@ -179,6 +185,23 @@ class Records:
             if problem is not None:
                 return f"{name} {value!r:.80} {problem}"
         return None
+
+    def _storable_at_a_glance(self, key: str, delivery: DeliveryInfo) -> bool:
+        """The common delivery's answer to :meth:`unstorable` in one pass: ASCII text without NUL,
+        small whole numbers; ``False`` sends it to the column-by-column check, which names the value.
+        """
+        try:
+            text = "".join((key, delivery.task_id, delivery.message_id, delivery.queue, delivery.worker))
+        except TypeError:  # Not all text: the column-by-column check says what it is.
+            return False
+        if not text.isascii() or "\x00" in text:
+            return False
+        broker = delivery.broker
+        numbers = (
+            (delivery.retries,) if broker is None else (delivery.retries, broker.token, broker.delivery_count)
+        )
+        # Every integer column of both databases holds 0 .. 2**31 - 1 (PostgreSQL's integer is the narrowest).
+        return all(type(n) is int and 0 <= n < _SMALL for n in numbers)
 
     def unstorable_queued(self, record: QueuedRecord) -> str | None:
         """What of a publish's *queued* record its row could not store, named; ``None`` when it fits.
@@ -464,6 +487,9 @@ _LOG_COLUMNS = {
     name: TaskDelivery._meta.get_field(name)
     for name in ("task_id", "retries", "message_id", "queue", "worker", "fence_token", "delivery_count")
 }
+
+#: Whole numbers below this fit every integer column of the records on every database.
+_SMALL = 2**31
 
 #: The columns each statement returns (``None``: it returns none), read from its first execution.
 _COLUMNS: dict[str, tuple[str, ...] | None] = {}

@@ -61,6 +61,8 @@ class Dialect:
 
     def __init__(self, connection) -> None:
         self.connection = connection
+        #: Each integer column's range, by model field: the same at every delivery.
+        self._integer_ranges: dict[Any, tuple[int, int]] = {}
 
     def refuse(self) -> None:
         raise ConfigurationError(
@@ -79,7 +81,11 @@ class Dialect:
         if isinstance(value, str):
             return self._text_problem(value)
         if isinstance(value, int) and not isinstance(value, bool):
-            low, high = self.connection.ops.integer_field_range(field.get_internal_type())
+            known = self._integer_ranges.get(field)
+            if known is None:
+                known = self.connection.ops.integer_field_range(field.get_internal_type())
+                self._integer_ranges[field] = known
+            low, high = known
             if not low <= value <= high:
                 return f"is beyond the database's integers for it ({low}..{high})"
         return None
@@ -103,8 +109,16 @@ class Dialect:
 
 
 def dialect_of(connection) -> Dialect:
-    """The dialect of a Django connection (the only place its ``vendor`` is read)."""
-    return _DIALECTS.get(connection.vendor, Dialect)(connection)
+    """The dialect of a Django connection (the only place its ``vendor`` is read).
+
+    Made once per connection object (one per thread and alias, for the thread's life): a
+    delivery asks for it at every task.
+    """
+    known = connection.__dict__.get("_queueapp_dialect")
+    if known is None:
+        known = _DIALECTS.get(connection.vendor, Dialect)(connection)
+        connection._queueapp_dialect = known
+    return known
 
 
 def dialect(using: str | None = None) -> Dialect:
@@ -188,7 +202,7 @@ class SQLite(Dialect):
 
         NaN and infinities refused: Django's JSON column checks ``JSON_VALID``.
         """
-        return _JSON.encode(value)
+        return _json_text(value)
 
     def json_param(self, text: str | None):
         return text
@@ -365,7 +379,7 @@ class PostgreSQL(Dialect):
     def json_text(self, value: Any) -> str:
         """``value`` as JSON text; what ``jsonb`` would refuse later (NaN, infinities, NUL, a lone
         surrogate) refused now with a ``ValueError``."""
-        text = _JSON.encode(value)
+        text = _json_text(value)
         if "\\u0000" in text or "\\ud" in text:  # Escaped: NUL, or half of a surrogate pair.
             for string in _strings(value):
                 problem = self._text_problem(string)
@@ -375,9 +389,20 @@ class PostgreSQL(Dialect):
 
     def json_param(self, text: str | None):
         """A ``jsonb`` parameter of JSON text already made (psycopg would serialize it again)."""
-        from django.db.backends.postgresql.psycopg_any import Jsonb
+        return None if text is None else _jsonb()(text, dumps=str)
 
-        return None if text is None else Jsonb(text, dumps=str)
+
+def _json_text(value: Any) -> str:
+    """``_JSON.encode(value)``, without the encoder for what a task passes and returns most.
+
+    No arguments (``[]``, ``{}``) and a whole number are their own JSON text.
+    """
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if (kind is list or kind is dict) and not value:
+        return "[]" if kind is list else "{}"
+    return _JSON.encode(value)
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -396,9 +421,23 @@ def _strings(value: Any) -> Iterator[str]:
 
 def _transaction_open(raw) -> bool:
     """Whether psycopg has begun a transaction on the server (``BEGIN`` sent)."""
+    return raw.info.transaction_status != _idle()
+
+
+@functools.cache
+def _idle():
+    """psycopg's status of a connection in no transaction (imported only by a process on PostgreSQL)."""
     from psycopg import pq
 
-    return raw.info.transaction_status != pq.TransactionStatus.IDLE
+    return pq.TransactionStatus.IDLE
+
+
+@functools.cache
+def _jsonb() -> type:
+    """Django's ``Jsonb`` wrapper of psycopg's (imported only by a process on PostgreSQL)."""
+    from django.db.backends.postgresql.psycopg_any import Jsonb
+
+    return Jsonb
 
 
 _DIALECTS: dict[str, type[Dialect]] = {"postgresql": PostgreSQL, "sqlite": SQLite}

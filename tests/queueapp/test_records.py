@@ -170,6 +170,32 @@ def _written(records: Records, key: str, unusual: DeliveryInfo) -> bool:
     )
 
 
+def test_the_check_at_a_glance_lets_through_only_what_every_column_stores():
+    """The common delivery's one-pass check never passes a value the column-by-column check refuses."""
+    records = Records()
+    cases = [("k", delivery(7, "celery")), ("k", delivery(None, "")), ("k", delivery(2**31 - 1, "q"))]
+    for name, values in EDGES.items():
+        for value in values:
+            fields = {} if name == "key" else {name: value}
+            cases.append(
+                (value if name == "key" else "k", dataclasses.replace(delivery(7, "celery"), **fields))
+            )
+    for token in (-1, 2**31, 2**63, True):
+        cases.append(
+            ("k", dataclasses.replace(delivery(7, "celery"), broker=Delivery("celery", "t1.1", token, 1)))
+        )
+    glanced = [(key, d) for key, d in cases if records._storable_at_a_glance(key, d)]
+    assert [(key, d) for key, d in glanced if records._column_by_column(key, d) is not None] == []
+    assert len(glanced) >= 3  # The ordinary deliveries are answered at a glance.
+
+
+def test_the_json_of_no_arguments_and_of_whole_numbers_is_the_encoder_s():
+    from queueapp.records.dialect import _JSON, _json_text
+
+    for value in ([], {}, 0, -7, 2**70, [0], {"a": 1}, True, None, 1.5, "x"):
+        assert (_json_text(value), type(_json_text(value))) == (_JSON.encode(value), str)
+
+
 def test_a_value_the_records_cannot_store_is_named_in_the_reason():
     records = Records()
     huge = dataclasses.replace(delivery(7, "celery"), retries=2**64)
