@@ -9,6 +9,7 @@ injects them the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -48,6 +49,15 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped by a signal (state ``T`` in /proc)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):  # A thread that ended meanwhile.
+            states.append(stat.read_text().rpartition(")")[2].split()[0])
+    return bool(states) and all(state == "T" for state in states)
 
 
 def free_port(*, with_cluster_bus: bool = False) -> int:
@@ -216,12 +226,32 @@ class RedisServer:
         finally:
             self._chose_port = chose
 
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing."""
-        self._signal(signal.SIGSTOP)
+    def pause(self, timeout: float = 10.0) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing.
 
-    def resume(self) -> None:
+        Returns once every thread of the server is stopped: the signal is delivered when the kernel
+        next schedules it, and a server still running on the other core answered a command sent
+        after ``kill()`` returned.
+        """
+        self._signal(signal.SIGSTOP)
+        self._wait_for_state(stopped=True, timeout=timeout)
+
+    def resume(self, timeout: float = 10.0) -> None:
         self._signal(signal.SIGCONT)
+        self._wait_for_state(stopped=False, timeout=timeout)
+
+    def _wait_for_state(self, *, stopped: bool, timeout: float) -> None:
+        """Wait until every thread of the server is (or none is) in the stopped state ``T``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        deadline = time.monotonic() + timeout
+        while all_threads_stopped(self.process.pid) != stopped:
+            if time.monotonic() > deadline:
+                raise RedisServerError(
+                    f"redis-server {self.process.pid} did not {'stop' if stopped else 'continue'} "
+                    f"within {timeout} s"
+                )
+            time.sleep(0.001)
 
     def cleanup(self) -> None:
         """Stop the server and remove its directory."""

@@ -9,7 +9,10 @@ process that no longer ran while the other Redis went on answering.
 
 from __future__ import annotations
 
-from lab.redis_servers import RedisServer
+import pytest
+import redis
+
+from lab.redis_servers import RedisServer, all_threads_stopped
 
 
 def test_a_server_whose_port_another_server_took_starts_on_another_port_as_itself():
@@ -35,3 +38,20 @@ def test_a_restarted_server_keeps_its_port():
         assert server.port == port and int(server.client().info("server")["process_id"]) == server.pid
     finally:
         server.cleanup()
+
+
+def test_pause_returns_with_every_thread_of_the_server_stopped_and_resume_with_none():
+    """A command sent after pause() returns is never answered: SIGSTOP is delivered when the kernel
+    next schedules the server, which answered a requeue sent in between (a flake of the admin tests)."""
+    with RedisServer() as server:
+        client = server.client(socket_timeout=0.5)
+        assert client.ping()
+        server.pause()
+        try:
+            assert all_threads_stopped(server.pid)
+            with pytest.raises(redis.exceptions.TimeoutError):
+                client.ping()
+        finally:
+            server.resume()
+        assert not all_threads_stopped(server.pid)
+        assert server.client().ping()
