@@ -1014,12 +1014,15 @@ def test_a_relayed_wake_up_put_back_by_a_consumer_that_stops_polling_goes_to_its
     """A consumer woken by a relayed wake-up that claimed another shard, and now holds its prefetch (no
     poll before its work is done), puts the wake-up back on the shard's own marker, where any consumer
     or relay waits, not in its own key, where it would sit until that work is done."""
-    conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}})
+    # A queue of this test alone: a relay another test's channel left watching "hot" would take the marker.
+    name = "put-back-relayed"
+    queue = Queue(name, Exchange(name), routing_key=name)
+    conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {name: 6}})
     try:
         channel = conn.channel()
-        with Consumer(channel, [HOT], callbacks=[], prefetch_count=1):
-            remote = channel.fenced_queue("hot").shards[1].keys.wake
-            inbox = channel._inbox("hot")
+        with Consumer(channel, [queue], callbacks=[], prefetch_count=1):
+            remote = channel.fenced_queue(name).shards[1].keys.wake
+            inbox = channel._inbox(name)
             channel._put_back((1, inbox, f"{RELAYED}{remote}"))
             channel._flush_put_backs()
             raw = channel.fenced_client
