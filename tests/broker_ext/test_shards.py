@@ -79,6 +79,19 @@ def ids_for_shards(count: int, per_shard: int, prefix: str = "m") -> list[str]:
     return [by_shard[i][j] for j in range(per_shard) for i in range(count)]
 
 
+def publish_backlog(connect, shards: int, per_shard: int) -> tuple[Queue, list[str]]:
+    """Queue "hot" declared with ``shards`` shards and ``per_shard`` messages on each, published one by
+    one through Kombu; returns the queue and the message ids in publish order."""
+    queue = Queue("hot", Exchange("hot"), routing_key="hot")
+    producer = Producer(connect(queue_shards=shards).channel())
+    ids = ids_for_shards(shards, per_shard)
+    for message_id in ids:
+        producer.publish(
+            {}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue]
+        )
+    return queue, ids
+
+
 def test_the_option_takes_a_number_or_a_dict_of_numbers_and_refuses_anything_else():
     check({"queue_shards": 6})
     check({"queue_shards": {"hot": 3}})
@@ -549,13 +562,7 @@ def _consume_at_prefetch_1(connect, shards: int, count: int) -> list[int]:
     from broker_ext.messages import delivery_of
 
     conn = connect(queue_shards=shards)
-    queue = Queue("hot", Exchange("hot"), routing_key="hot")
-    producer = Producer(connect(queue_shards=shards).channel())
-    ids = ids_for_shards(shards, count)  # a backlog of ``count`` on every shard: none runs dry here
-    for message_id in ids:
-        producer.publish(
-            {}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue]
-        )
+    queue, _ = publish_backlog(connect, shards, count)  # ``count`` on every shard: none runs dry here
     taken: list[int] = []
 
     def take(body, message) -> None:
@@ -705,13 +712,7 @@ def test_a_busy_consumer_s_acks_at_ack_batch_size_ride_in_its_next_claims_acked_
     from broker_ext.messages import delivery_of
 
     conn = connect(queue_shards=6, ack_flush_interval=30)
-    queue = Queue("hot", Exchange("hot"), routing_key="hot")
-    producer = Producer(connect(queue_shards=6).channel())
-    published = ids_for_shards(6, 200)
-    for message_id in published:
-        producer.publish(
-            {}, exchange=queue.exchange, routing_key="hot", message_id=message_id, declare=[queue]
-        )
+    queue, published = publish_backlog(connect, 6, 200)
     seen: list[str] = []
 
     def take(body, message) -> None:
