@@ -211,7 +211,7 @@ class Consuming:
         nodes = {node_of(self.fenced_client, shard.keys.wake) for shard, _ in plan}
         waiting = {(queue, shard) for shard in fenced.waiting_turn(asked)}
         # ack_batch_size acks waiting (a busy consumer kept them back for this claim): all go now.
-        due = self.qos.unsent_ack_count() >= self.settings.ack_batch_size
+        due = self.qos.batch_due()
         acks = self.qos.pending_acks(
             carried_by=[(queue, shard) for shard in asked],
             rides=None if due else lambda key: key not in waiting and self._on_nodes(key, nodes),

@@ -177,8 +177,7 @@ class FencedQoS(virtual.QoS):
                 self.buffer_acks([delivery])
                 channel = self.channel
                 if channel.ack_flush_interval <= 0 or (
-                    self.unsent_ack_count() >= channel.ack_batch_size
-                    and self._claiming_thread != threading.get_ident()
+                    self.batch_due() and self._claiming_thread != threading.get_ident()
                 ):
                     self.flush_acks()
         finally:
@@ -203,8 +202,12 @@ class FencedQoS(virtual.QoS):
     def flush_due_acks(self) -> None:
         """Send the buffered acks now if ``ack_batch_size`` of them wait (no claim is coming to carry
         them); fewer wait for a claim or the lease keeper's flush, as any ack does."""
-        if self.unsent_ack_count() >= self.channel.ack_batch_size:
+        if self.batch_due():
             self.flush_acks()
+
+    def batch_due(self) -> bool:
+        """Whether ``ack_batch_size`` buffered acks wait: they go at once, or in the claim about to go."""
+        return self.unsent_ack_count() >= self.channel.ack_batch_size
 
     def buffer_acks(self, deliveries: list[Delivery]) -> None:
         """Keep acks for the next flush (also: acks a lost connection sent back)."""
