@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
@@ -59,7 +60,9 @@ class ShardedQueue:
         self.shards = list(shards)
         self.name = layout.queue
         self._run = run
-        self._rotation = itertools.count()
+        #: Each consumer starts its turns at a shard of its own: consumers started together would
+        #: otherwise all ask the same shard at once, and empty it ahead of the others.
+        self._rotation = itertools.count(random.randrange(len(self.shards)))
         self._slot_groups = layout.slot_groups()
 
     @property
@@ -108,28 +111,27 @@ class ShardedQueue:
     # -- consume -------------------------------------------------------------------------
 
     def claim_plan(self, count: int, first: int | None = None) -> list[tuple[FencedQueue, int]]:
-        """How many each shard is asked for in one claim: ``count`` split evenly, starting one shard
-        further each time, so that a consumer with a small prefetch still takes from every shard in turn.
-        Shards asked for 0 are left out. ``first``: the shard that starts instead (a woken consumer
-        does not pass the shard whose marker it took: that marker would win every next poll).
+        """How many each shard is asked for in one claim; shards asked for 0 are left out.
 
-        A claim of at least one message per slot asks one shard per slot (shards sharing a slot
-        share its master): the slot's shards take turns, one claim each, so a claim costs one script
-        call per master, not one per shard, and every shard is still asked within as many claims as
-        its slot has shards."""
+        A claim of fewer messages than the shards have slots (prefetch 1) asks ``count`` shards for
+        one each, starting one shard further each time, so that a consumer with a small prefetch
+        still takes from every shard in turn. A larger one (a busy consumer's) asks one shard for all
+        of them: the slots take turns, and the shards sharing a slot (on one master) take turns at
+        their slot's turn. Such a claim is one script call in one round trip, as on an unsharded queue
+        (a script call has a fixed cost a split claim pays per shard: docs/benchmarks.md), and every
+        shard is asked within n claims. ``first``: the shard that starts, or is asked alone, instead
+        (a woken consumer does not pass the shard whose marker it took: that marker would win every
+        next poll)."""
         n = len(self.shards)
-        turn = first if first is not None else next(self._rotation)
         groups = self._slot_groups
-        if len(groups) == n or count < len(groups):
+        if count < len(groups):
+            turn = first if first is not None else next(self._rotation)
             return self._split(count, [self.shards[(turn + offset) % n] for offset in range(n)])
-        if first is None:
-            start, picked = turn % len(groups), [group[turn % len(group)] for group in groups]
-        else:  # The woken shard's slot starts, with the woken shard; the others at the same place.
-            start = next(i for i, group in enumerate(groups) if first % n in group)
-            place = groups[start].index(first % n)
-            picked = [group[place % len(group)] for group in groups]
-        order = picked[start:] + picked[:start]
-        return self._split(count, [self.shards[shard] for shard in order])
+        if first is not None:
+            return [(self.shards[first % n], count)]
+        turn = next(self._rotation)
+        group = groups[turn % len(groups)]
+        return [(self.shards[group[turn // len(groups) % len(group)]], count)]
 
     @staticmethod
     def _split(count: int, order: list[FencedQueue]) -> list[tuple[FencedQueue, int]]:
@@ -138,7 +140,7 @@ class ShardedQueue:
         return [(shard, share) for shard, share in zip(order, shares, strict=True) if share]
 
     def waiting_turn(self, asked: Sequence[int]) -> set[int]:
-        """The shards a claim asking ``asked`` leaves for the next turn of their slot: their buffered
+        """The shards a claim asking ``asked`` leaves for a later turn of their slot: their buffered
         acks wait for that claim (or the lease keeper's flush), not a call of their own."""
         asked_set = set(asked)
         return {

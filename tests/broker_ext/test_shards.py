@@ -66,6 +66,12 @@ def connect(request, where):
         conn.release()
 
 
+def one_from_each(queue, shards: int) -> list:
+    """``shards`` claims of one message in a row: the claim plan's rotation asks each shard once (a
+    larger claim asks one shard for all it takes)."""
+    return [item for _ in range(shards) for item in queue.claim(1)]
+
+
 def ids_for_shards(count: int, per_shard: int, prefix: str = "m") -> list[str]:
     """Message ids that hash ``per_shard`` to each of ``count`` shards, shard by shard in turn."""
     by_shard: dict[int, list[str]] = {i: [] for i in range(count)}
@@ -150,9 +156,13 @@ def test_a_shard_number_the_queue_does_not_have_is_refused_not_sent_to_shard_0(c
             channel.shard_queue("hot", wrong)
 
 
-def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_their_acks_extends_too(
+def test_claims_take_from_every_shard_in_turn_one_round_trip_each_with_their_acks_extends_per_node(
     connect, where, request
 ):
+    """A claim of at least one message per slot asks one shard, in one round trip; three in a row take
+    from each of the three shards. Extends go in one round trip per node. A claim carries its shard's
+    buffered acks inside; the other shards' go in the same round trip when they live on its node, and
+    otherwise wait for a claim there or the lease keeper's flush."""
     channel = connect(queue_shards=3).channel()
     queue = channel.fenced_queue("hot")
     queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 10)])
@@ -161,11 +171,12 @@ def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_the
     for port in ports:  # Warm: every script loaded on every node (a first call pays SCRIPT LOAD).
         for name in SCRIPT_NAMES:
             redis.Redis(port=port).script_load(source(name))
-    claimed = queue.claim(3)
+    claimed = []
     with _round_trips(ports) as trips:
-        claimed += queue.claim(6)
+        for _ in range(3):
+            claimed += queue.claim(3)
     assert Counter(item.delivery.shard for item in claimed) == {0: 3, 1: 3, 2: 3}
-    assert sorted(t.count for t in trips) == ([1] if where == "single" else [1, 1, 1])
+    assert sum(t.count for t in trips) == 3
 
     deliveries = [item.delivery for item in claimed]
     extend = [channel.shard_queue(*key).extend_call(group) for key, group in by_shard(deliveries).items()]
@@ -177,10 +188,16 @@ def test_a_claim_takes_from_every_shard_fairly_in_a_round_trip_per_node_with_the
         channel.qos.buffer_acks([delivery])
     scripts_before = _script_calls(ports)
     with _round_trips(ports) as trips:
-        payloads = channel.claim("hot", 3)  # each shard's buffered acks travel inside its claim
-    assert len(payloads) == 3 and sorted(t.count for t in trips) == ([1] if where == "single" else [1, 1, 1])
-    assert _script_calls(ports) - scripts_before == 3  # three claims, no ack call of their own
-    assert queue.stats().counters.get("acked") == 9
+        payloads = channel.claim("hot", 3)
+    assert len(payloads) == 3 and len({p["properties"].get("fenced_shard", 0) for p in payloads}) == 1
+    if where == "single":  # The asked shard's 3 acks inside its claim, the others' as ack calls beside it.
+        assert [t.count for t in trips] == [1] and _script_calls(ports) - scripts_before == 3
+        assert queue.stats().counters.get("acked") == 9
+    else:  # The others' wait: no round trip of their own.
+        assert sorted(t.count for t in trips) == [0, 0, 1] and _script_calls(ports) - scripts_before == 1
+        assert queue.stats().counters.get("acked") == 3
+        channel.qos.flush_acks()
+        assert queue.stats().counters.get("acked") == 9
     # One message at a time (prefetch 1), the claims still go round the shards.
     shards = [channel.fenced_queue("hot").claim(1)[0].delivery.shard for _ in range(6)]
     assert sorted(Counter(shards).values()) == [2, 2, 2]
@@ -245,7 +262,7 @@ def test_dead_letters_reclaim_delayed_priorities_and_requeue_see_the_logical_que
     assert (queue.stats().ready, queue.stats().delayed) == (6, 3)
     assert {mid for mid, _ in queue.delayed_ids(10)} == {f"later-{n}" for n in range(3)}
 
-    first = queue.claim(3)  # each shard's first priority (0) first
+    first = one_from_each(queue, 3)  # each shard's first priority (0) first
     assert sorted(item.delivery.message_id for item in first) == sorted(ids[:3])
     assert queue.dead_letter([first[0].delivery], "poisoned") == [Reply.DEAD_LETTERED]
     assert queue.requeue([first[1].delivery], counted=False) == [Reply.OK]
@@ -372,7 +389,7 @@ def test_after_resharding_the_stored_tags_stay_and_calls_grouped_per_node_follow
         channel = conn.channel()
         queue = channel.fenced_queue("resharded")
         queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 4)])
-        first = [item.delivery for item in queue.claim(3)]
+        first = [item.delivery for item in one_from_each(queue, 3)]
         moved = queue.shards[1]
         slot = redis_cluster.nodes[0].client().cluster("keyslot", moved.keys.wake)
         source = redis_cluster.master_for(moved.keys.wake)
@@ -453,7 +470,7 @@ def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_le
         channel = conn.channel()
         queue = channel.fenced_queue("hot")
         queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 3)])
-        held = [item.delivery for item in queue.claim(3)]
+        held = [item.delivery for item in one_from_each(queue, 3)]
         assert sorted(delivery.shard for delivery in held) == [0, 1, 2]
         for node in cluster.live_nodes():  # Every script loaded (a SCRIPT LOAD goes to every master).
             for name in SCRIPT_NAMES:
@@ -465,7 +482,7 @@ def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_le
         assert replies[("hot", 0)] == [Reply.OK] and replies[("hot", 2)] == [Reply.OK]
         assert isinstance(replies[("hot", 1)], redis.exceptions.ConnectionError)
 
-        payloads = channel.claim("hot", 3)
+        payloads = channel.claim("hot", 2, first=0)  # asks shards 0 and 1 (down), then 2
         shards = sorted(payload["properties"].get("fenced_shard", 0) for payload in payloads)
         assert shards == [0, 2]  # nothing the live shards leased is left undelivered
 
@@ -618,43 +635,36 @@ def test_a_prefetch_1_consumer_of_6_shards_pays_about_a_poll_and_a_claim_per_mes
     assert per_message <= (1.2 if where == "single" else 2.6), per_message
 
 
-def test_a_prefetch_100_claim_on_6_shards_over_3_masters_is_one_claim_call_per_master_in_turns(
+def test_a_prefetch_100_claim_on_6_shards_over_3_masters_is_one_script_call_the_masters_in_turns(
     redis_cluster, cluster_url
 ):
-    """Counted: a claim of 100 asks one shard per master (the shards of a slot take turns), so it is 3
-    script calls, not 6, with the claimed shard's buffered acks inside; over two claims every shard
-    is asked, and no shard is left out of the rotation (nothing stranded): each asked every 2 claims."""
+    """Counted: a claim of 100 asks one shard for all 100, so it is one script call in one round trip,
+    as on an unsharded queue; the masters take turns (three claims in a row go to all three), the two
+    shards of a master take turns at its turn, and six claims in a row ask every shard."""
     conn = Connection(cluster_url, transport_options={**CLUSTER, "queue_shards": {"hot": 6}})
     try:
         channel = conn.channel()
         queue = channel.fenced_queue("hot")
-        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(6, 60)])
+        queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(6, 110)])
         ports = [node.port for node in redis_cluster.live_nodes()]
         for port in ports:  # Warm: every script loaded on every node.
             for name in SCRIPT_NAMES:
                 redis.Redis(port=port).script_load(source(name))
-        asked: list[list[int]] = []
-        for _ in range(6):
-            plan = queue.claim_plan(100)
-            masters = Counter(redis_cluster.master_for(shard.keys.wake).port for shard, _ in plan)
-            assert len(plan) == 3 and sorted(masters.values()) == [1, 1, 1]
-            assert sum(share for _, share in plan) == 100
-            asked.append(sorted(shard.shard for shard, _ in plan))
-        for first, second in itertools.pairwise(asked):
-            assert sorted(first + second) == list(range(6))  # two claims in a row ask every shard
-        held = [item.delivery for item in queue.claim(60)]
-        assert len(held) == 60
-        channel.qos.buffer_acks([d for d in held if d.shard in {0, 1, 2}])
+        plans = [queue.claim_plan(100) for _ in range(12)]
+        assert all(len(plan) == 1 and plan[0][1] == 100 for plan in plans)
+        masters = [redis_cluster.master_for(plan[0][0].keys.wake).port for plan in plans]
+        asked = [plan[0][0].shard for plan in plans]
+        for start in range(len(plans) - 5):
+            assert len(set(masters[start : start + 3])) == 3
+            assert sorted(asked[start : start + 6]) == list(range(6))
 
         scripts_before = _script_calls(ports)
         with _round_trips(ports) as trips:
             payloads = channel.claim("hot", 100)
-        assert _script_calls(ports) - scripts_before == 3  # one claim per master, the acks inside
-        assert sorted(t.count for t in trips) == [1, 1, 1]
+        assert _script_calls(ports) - scripts_before == 1
+        assert sorted(t.count for t in trips) == [0, 0, 1]
         assert len(payloads) == 100
-        # Acks of the shards this claim did not ask wait for their turn, not a call of their own.
-        left = {d.shard for d in channel.qos.pending_acks().deliveries}
-        assert left and left.isdisjoint({p["properties"].get("fenced_shard", 0) for p in payloads})
+        assert len({payload["properties"].get("fenced_shard", 0) for payload in payloads}) == 1
     finally:
         conn.release()
 
@@ -665,15 +675,15 @@ def test_claims_in_turns_over_slot_mates_ask_every_shard_within_a_bound_and_stra
 ):
     """Counted, not timed: any run of a few claims asks every shard. A claim of fewer than one message
     per slot (slots: 3 on the cluster, 6 on a single Redis) asks ``count`` shards, one further each
-    time: 7 - count claims cover all 6; a larger one asks one shard per slot, the shards of a slot
-    taking turns: 2 claims on the cluster (2 shards a slot), 1 on a single Redis. Claims that never
-    follow up (an idle consumer's) still drain every shard."""
+    time: 7 - count claims cover all 6; a larger one asks one shard, the slots taking turns and the
+    shards of a slot taking turns at its turn: 6 claims cover all 6. Claims that never follow up (an
+    idle consumer's) still drain every shard."""
     from broker_ext.messages import delivery_of
 
     channel = connect(queue_shards=6).channel()
     queue = channel.fenced_queue("hot")
     slots = 3 if where == "cluster" else 6
-    bound = 7 - count if count < slots else 6 // slots
+    bound = 7 - count if count < slots else 6
     plans = [{shard.shard for shard, _ in queue.claim_plan(count)} for _ in range(12)]
     for start in range(len(plans) - bound + 1):
         assert set().union(*plans[start : start + bound]) == set(range(6)), (start, plans)
