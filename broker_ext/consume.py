@@ -127,9 +127,11 @@ class Consuming:
         """Claim up to ``count`` messages of ``queue``, sending buffered acks in the same round trip.
 
         ``follow_up``: when the shards a sharded queue's claim plan asked had
-        too little, ask the others one by one (an idle consumer's claim after
+        too little, or their node did not answer, ask the others one by one,
+        skipping the nodes that did not answer (an idle consumer's claim after
         its poll timed out does not: the markers say where messages wait, and
-        the next such claim asks the next shard).
+        the next such claim asks the next shard). The error of an unanswered
+        claim goes up only when no node answered.
 
         ``woken``: the shard, key and member of the wake-up marker a BZPOPMIN
         took; put back when this claim does not ask that shard (the shard
@@ -139,19 +141,28 @@ class Consuming:
         Returns the Kombu payloads to deliver (malformed ones are dead-lettered instead).
         """
         pending = self._claim_calls(queue, count, no_ack, wake_next=wake_next, first=first)
+        unreachable: Exception | None = None
+        down: set[str] = set()
+        payloads: list[dict] = []
+        claimed = 0
         try:
             results = self.run_calls(pending.calls)
-        except self.connection_errors:
+        except self.connection_errors as exc:
             self.qos.buffer_acks(pending.acks.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
-            if woken is not None:
-                self._put_back(woken)
-            raise
-        payloads = self._claimed_payloads(pending, results)
-        claimed = self._claimed_count
+            # No node it asked answered (a busy consumer's claim asks one shard, so one master): the
+            # shards on other nodes are asked before the error goes up.
+            unreachable = exc
+            down = {node_of(self.fenced_client, self.shard_queue(queue, n).keys.wake) for n in pending.asked}
+        else:
+            payloads = self._claimed_payloads(pending, results)
+            claimed = self._claimed_count
         asked = set(pending.asked)
         for shard in pending.unasked if follow_up else ():  # The shards asked had too little: ask the others.
             if claimed >= count:
                 break
+            node = node_of(self.fenced_client, shard.keys.wake)
+            if node in down:
+                continue
             claim = self._shard_claim(shard, count - claimed)
             asked.add(shard.shard)
             pending = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
@@ -159,9 +170,15 @@ class Consuming:
                 results = self.run_calls(pending.calls)
             except self.connection_errors as exc:  # What the shards before it leased is still delivered.
                 logger.error("claim on %r (shard %d) failed: %r", queue, shard.shard, exc)
-                break
+                down.add(node)
+                continue
             payloads += self._claimed_payloads(pending, results)
             claimed += self._claimed_count
+            unreachable = None  # a node answered
+        if unreachable is not None:
+            if woken is not None:
+                self._put_back(woken)
+            raise unreachable
         if woken is not None and woken[0] not in asked:
             self._put_back(woken)
         return payloads

@@ -69,8 +69,10 @@ def run_per_node(client, calls: Sequence[ScriptCall]) -> list[Any]:
             lost.append(exc)
             for position in positions:
                 results[position] = translate(exc, calls[position].queue)
-            with contextlib.suppress(redis.exceptions.RedisError):
-                client.nodes_manager.initialize()  # A failover may have moved the node's slots.
+            # A failover may have moved the node's slots. With no node reachable, redis-py raises
+            # RedisClusterException (no RedisError): the connection error above is what goes up.
+            with contextlib.suppress(redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+                client.nodes_manager.initialize()
             continue
         except redis.exceptions.RedisError as exc:
             raise translate(exc, calls[positions[0]].queue) from None

@@ -21,6 +21,7 @@ from dataclasses import replace
 import redis
 
 from broker_ext.errors import Reply
+from broker_ext.nodes import node_of
 from broker_ext.queue import FencedQueue
 from broker_ext.records import (
     Claimed,
@@ -43,6 +44,14 @@ logger = logging.getLogger(__name__)
 _SUMMED = ("ready", "delayed", "leased", "dead", "expired_leases")
 #: Runs script calls of several shards: one round trip per node (:func:`broker_ext.nodes.run_per_node`).
 Runner = Callable[[Sequence[ScriptCall]], list]
+
+
+#: What a node that did not answer raises (:func:`broker_ext.nodes.run_per_node`).
+UNANSWERED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def _node(shard: FencedQueue) -> str:
+    return node_of(shard.client, shard.keys.wake)
 
 
 def _raise_first(results: list) -> list:
@@ -152,25 +161,40 @@ class ShardedQueue:
         }
 
     def claim(self, count: int = 1, *, no_ack: bool = False, wake_next: bool = True) -> list[Claimed]:
-        """Claim up to ``count`` over the shards; shards left out of the plan are asked only if
-        the asked ones had too little."""
+        """Claim up to ``count`` over the shards; shards left out of the plan are asked only if the
+        asked ones had too little or their node did not answer (a busy claim asks one node), skipping
+        the nodes that did not. A node's error goes up only when no shard's node answered."""
         plan = self.claim_plan(count)
         calls = [shard.claim_call(share, no_ack=no_ack, wake_next=wake_next) for shard, share in plan]
-        results = self._run(calls)
+        try:
+            results = self._run(calls)
+        except UNANSWERED as exc:
+            results = [exc] * len(calls)
         failed = [result for result in results if isinstance(result, Exception)]
-        if failed and len(failed) == len(results):
+        if failed and len(failed) == len(results) and not isinstance(failed[0], UNANSWERED):
             raise failed[0]
+        answered = len(failed) < len(results)
+        down = {
+            _node(shard)
+            for (shard, _), result in zip(plan, results, strict=True)
+            if isinstance(result, UNANSWERED)
+        }
         # A shard that failed (its node unreachable) does not hide what the others leased.
         claimed = [item for result in results if not isinstance(result, Exception) for item in result]
         asked = {shard.shard for shard, _ in plan}
         for shard in self.shards:
             if len(claimed) >= count:
                 break
-            if shard.shard not in asked:
-                try:
-                    claimed += shard.claim(count - len(claimed), no_ack=no_ack, wake_next=wake_next)
-                except redis.exceptions.ConnectionError as exc:
-                    failed.append(exc)
+            if shard.shard in asked or _node(shard) in down:
+                continue
+            try:
+                claimed += shard.claim(count - len(claimed), no_ack=no_ack, wake_next=wake_next)
+                answered = True
+            except UNANSWERED as exc:
+                failed.append(exc)
+                down.add(_node(shard))
+        if not answered:
+            raise failed[0]
         for exc in failed:
             logger.error("claim on a shard of %r failed: %r", self.name, exc)
         return claimed

@@ -499,6 +499,17 @@ def test_with_one_master_down_the_other_shards_claims_are_delivered_and_their_le
         assert [payload["properties"]["fenced_message_id"] for payload in payloads] == ["late"]
         queue.shards[2].publish([OutgoingMessage("later", BODY)])
         assert [item.delivery.message_id for item in queue.claim(3)] == ["later"]
+
+        # A busy consumer's claim asks one shard: when that shard's master is the one down, the shards
+        # on the other masters are asked before any error goes up; with no master left, it goes up.
+        queue.shards[0].publish([OutgoingMessage("busy-0", BODY)])
+        queue.shards[2].publish([OutgoingMessage("busy-2", BODY)])
+        payloads = channel.claim("hot", 100, first=1)
+        assert sorted(p["properties"]["fenced_message_id"] for p in payloads) == ["busy-0", "busy-2"]
+        for node in cluster.live_nodes():
+            node.kill()
+        with pytest.raises(channel.connection_errors):
+            channel.claim("hot", 100, first=1)
     finally:
         conn.release()
         cluster.cleanup()
