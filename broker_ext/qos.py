@@ -92,8 +92,9 @@ class FencedQoS(virtual.QoS):
         self._held: dict[str, Delivery] = {}
         self._lock = threading.Lock()
         self._unsent_acks: list[Delivery] = []
-        #: When the oldest ack in :attr:`_unsent_acks` was buffered (monotonic), or ``None``.
-        self._unsent_since: float | None = None
+        #: When each ack in :attr:`_unsent_acks` was buffered (monotonic), oldest first: acks that wait
+        #: for a claim on their node keep their own age, and the keeper's flush goes by the oldest.
+        self._unsent_times: list[float] = []
         self._reject_reasons: dict[str, str] = {}
         self._kept: set[str] = set()
         #: Deliveries a crashing worker was working on: given back charged, with the reason, not unspent.
@@ -213,16 +214,16 @@ class FencedQoS(virtual.QoS):
         """Keep acks for the next flush (also: acks a lost connection sent back)."""
         if not deliveries:
             return
+        now = time.monotonic()
         with self._lock:
-            if not self._unsent_acks:
-                self._unsent_since = time.monotonic()
             self._unsent_acks.extend(deliveries)
+            self._unsent_times.extend([now] * len(deliveries))
         self.acks_waiting.set()
 
     def oldest_ack_age(self) -> float | None:
         """Seconds the oldest buffered ack has waited (``None``: none waits)."""
         with self._lock:
-            since = self._unsent_since if self._unsent_acks else None
+            since = self._unsent_times[0] if self._unsent_times else None
         return None if since is None else time.monotonic() - since
 
     def unsent_ack_count(self) -> int:
@@ -242,16 +243,17 @@ class FencedQoS(virtual.QoS):
         """
         with self._lock:
             acks, self._unsent_acks = self._unsent_acks, []
-            since, self._unsent_since = self._unsent_since, None
+            times, self._unsent_times = self._unsent_times, []
         if rides is not None:
-            left = [delivery for delivery in acks if not rides((delivery.queue, delivery.shard))]
-            if left:
-                acks = [delivery for delivery in acks if rides((delivery.queue, delivery.shard))]
+            taken = [rides((delivery.queue, delivery.shard)) for delivery in acks]
+            if not all(taken):
+                left = [(ack, at) for ack, at, take in zip(acks, times, taken, strict=True) if not take]
+                acks = [delivery for delivery, take in zip(acks, taken, strict=True) if take]
                 with self._lock:
-                    # They keep their age: the lease keeper sends them once the oldest waited its interval.
-                    younger = self._unsent_since if self._unsent_acks else None
-                    self._unsent_since = since if younger is None or since is None else min(since, younger)
-                    self._unsent_acks[:0] = left
+                    # They keep their age (older than any buffered since): the lease keeper sends them
+                    # once the oldest has waited its interval.
+                    self._unsent_acks[:0] = [delivery for delivery, _ in left]
+                    self._unsent_times[:0] = [at for _, at in left]
                 self.acks_waiting.set()
         groups = by_shard(acks)
         carried = tuple(key for key in carried_by if key in groups)

@@ -826,6 +826,27 @@ def test_acks_kept_for_a_claim_that_does_not_come_are_sent_at_once_or_by_the_kee
     consumer.cancel()
 
 
+def test_an_ack_left_for_a_claim_on_its_node_keeps_its_own_age_not_the_oldest_taken(connect):
+    """A claim takes the acks that ride with it and leaves the others buffered: the keeper's flush
+    goes by the oldest ack left, so an ack buffered after one a claim took is not sent early as if
+    it were as old (at prefetch 1 on a cluster a third of the acks went apart that way, each a call
+    and a round trip of the keeper's)."""
+    channel = connect(queue_shards=3).channel()
+    queue = channel.fenced_queue("hot")
+    queue.publish([OutgoingMessage(mid, BODY) for mid in ids_for_shards(3, 1)])
+    by_shard_held = {item.delivery.shard: item.delivery for item in one_from_each(queue, 3)}
+    channel.qos.buffer_acks([by_shard_held[0]])
+    assert wait_for(lambda: channel.qos.oldest_ack_age() >= 0.2, timeout=5)
+    channel.qos.buffer_acks([by_shard_held[1]])
+    assert channel.qos.oldest_ack_age() >= 0.2  # shard 0's ack is the oldest
+
+    taken = channel.qos.pending_acks(rides=lambda key: key[1] == 0)  # a claim on shard 0's node
+    assert [delivery.shard for delivery in taken.deliveries] == [0]
+    assert channel.qos.oldest_ack_age() < 0.2  # shard 1's own age, younger than shard 0's was
+    assert [delivery.shard for delivery in channel.qos.pending_acks().deliveries] == [1]
+    assert channel.qos.oldest_ack_age() is None
+
+
 def _consumers_of_6_shards(cluster_url: str, count: int, **options) -> list[Connection]:
     """``count`` connections to the cluster, each a prefetch-1 consumer of queue ``hot`` over 6 shards."""
     return [
