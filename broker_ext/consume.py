@@ -208,8 +208,8 @@ class Consuming:
         """The buffered acks (taken from the QoS) and a claim per shard asked, each carrying its shard's
         acks: one round trip per node. Acks of shards on nodes the claim does not go to stay buffered,
         for a later claim there or the lease keeper's flush (``ack_flush_interval``): no round trip
-        of their own. So do those of a shard whose slot-mate this claim asks (its turn is the next
-        claim): no script call of their own. But when ``ack_batch_size`` acks wait (a busy consumer
+        of their own. So do those of a shard whose slot-mate this claim asks (a claim of that shard
+        carries them): no script call of their own. But when ``ack_batch_size`` acks wait (a busy consumer
         kept them back for this claim: :meth:`_deliver_claimed`), every one goes now, those of
         shards the claim does not ask in ack calls of their own in the same round trips.
 
