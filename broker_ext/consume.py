@@ -43,7 +43,7 @@ from broker_ext.errors import ConfigurationError, FencedError, RedisUnavailable,
 from broker_ext.keys import queue_of_key
 from broker_ext.lease_keeper import KeeperIntervals, LeaseKeeper
 from broker_ext.messages import delivery_of, envelope_problem, stamp
-from broker_ext.nodes import node_of
+from broker_ext.nodes import group_by_node, node_of
 from broker_ext.qos import NOT_RUN, PendingAcks
 from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.records import Claimed, ClaimReply, Delivery
@@ -147,40 +147,39 @@ class Consuming:
         claimed = 0
         try:
             results = self.run_calls(pending.calls)
-        except self.connection_errors as exc:
+        except self.connection_errors as exc:  # No node of this round trip answered.
             self.qos.buffer_acks(pending.acks.deliveries)  # Resending is safe: a resent ack is ALREADY_ACKED.
-            # No node it asked answered (a busy consumer's claim asks one shard, so one master): the
-            # shards on other nodes are asked before the error goes up.
-            unreachable = exc
-            down = {node_of(self.fenced_client, self.shard_queue(queue, n).keys.wake) for n in pending.asked}
+            unreachable, down = exc, set(group_by_node(self.fenced_client, pending.calls))
         else:
-            payloads = self._claimed_payloads(pending, results)
-            claimed = self._claimed_count
+            try:
+                payloads, claimed = self._claimed_payloads(pending, results), self._claimed_count
+            except self.connection_errors as exc:  # The claims' nodes did not answer (the acks' did).
+                unreachable, down = exc, set(group_by_node(self.fenced_client, pending.claims))
+        # A busy consumer's claim asks one shard, so one master: when it did not answer, or the shards
+        # asked had too little, the others are asked, the nodes that did not answer left out; an
+        # error goes up only when no node answered.
         asked = set(pending.asked)
-        for shard in pending.unasked if follow_up else ():  # The shards asked had too little: ask the others.
+        for shard in pending.unasked if follow_up else ():
             if claimed >= count:
                 break
             node = node_of(self.fenced_client, shard.keys.wake)
             if node in down:
                 continue
-            claim = self._shard_claim(shard, count - claimed)
             asked.add(shard.shard)
-            pending = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
+            claim = self._shard_claim(shard, count - claimed)
+            follow = PendingClaim(queue, count - claimed, PendingAcks({}, []), [claim], [], [shard.shard])
             try:
-                results = self.run_calls(pending.calls)
+                payloads += self._claimed_payloads(follow, self.run_calls(follow.calls))
             except self.connection_errors as exc:  # What the shards before it leased is still delivered.
                 logger.error("claim on %r (shard %d) failed: %r", queue, shard.shard, exc)
                 down.add(node)
                 continue
-            payloads += self._claimed_payloads(pending, results)
             claimed += self._claimed_count
-            unreachable = None  # a node answered
-        if unreachable is not None:
-            if woken is not None:
-                self._put_back(woken)
-            raise unreachable
-        if woken is not None and woken[0] not in asked:
+            unreachable = None
+        if woken is not None and (unreachable is not None or woken[0] not in asked):
             self._put_back(woken)
+        if unreachable is not None:
+            raise unreachable
         return payloads
 
     def _put_back(self, woken: tuple[int, str, str]) -> None:
@@ -199,7 +198,9 @@ class Consuming:
                 key, member = member.removeprefix(RELAYED), WAKE_MEMBER
             try:
                 self.fenced_client.zadd(key, {member: 0})
-            except self.connection_errors as exc:  # An idle claim after the poll timeout still comes round.
+            except (*self.connection_errors, redis.exceptions.RedisClusterException) as exc:
+                # An idle claim after the poll timeout still comes round. (A cluster client that reaches
+                # no node raises RedisClusterException, no connection error: the poll's own goes up.)
                 logger.error("putting back the wake-up marker %s failed: %r", key, exc)
 
     def _claim_calls(
@@ -243,7 +244,9 @@ class Consuming:
             )
             for shard, share in plan
         ]
-        unasked = [shard for shard in fenced.shards if shard.shard not in asked]
+        after = (asked[-1] + 1) if asked else 0  # The others in turn from the last shard asked, not from 0.
+        turned = fenced.shards[after:] + fenced.shards[:after]
+        unasked = [shard for shard in turned if shard.shard not in asked]
         return PendingClaim(queue, count, acks, claims, unasked, asked)
 
     def _on_nodes(self, key: tuple[str, int], nodes: set[str]) -> bool:

@@ -214,10 +214,9 @@ class FencedQoS(virtual.QoS):
         """Keep acks for the next flush (also: acks a lost connection sent back)."""
         if not deliveries:
             return
-        now = time.monotonic()
         with self._lock:
             self._unsent_acks.extend(deliveries)
-            self._unsent_times.extend([now] * len(deliveries))
+            self._unsent_times.extend([time.monotonic()] * len(deliveries))
         self.acks_waiting.set()
 
     def oldest_ack_age(self) -> float | None:
@@ -245,7 +244,12 @@ class FencedQoS(virtual.QoS):
             acks, self._unsent_acks = self._unsent_acks, []
             times, self._unsent_times = self._unsent_times, []
         if rides is not None:
-            taken = [rides((delivery.queue, delivery.shard)) for delivery in acks]
+            try:
+                taken = [rides((delivery.queue, delivery.shard)) for delivery in acks]
+            except BaseException:  # e.g. reading a changed layout failed: the acks stay buffered
+                with self._lock:
+                    self._unsent_acks[:0], self._unsent_times[:0] = acks, times
+                raise
             if not all(taken):
                 left = [(ack, at) for ack, at, take in zip(acks, times, taken, strict=True) if not take]
                 acks = [delivery for delivery, take in zip(acks, taken, strict=True) if take]

@@ -46,8 +46,13 @@ _SUMMED = ("ready", "delayed", "leased", "dead", "expired_leases")
 Runner = Callable[[Sequence[ScriptCall]], list]
 
 
-#: What a node that did not answer raises (:func:`broker_ext.nodes.run_per_node`).
-UNANSWERED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+#: What a node that did not answer raises (:func:`broker_ext.nodes.run_per_node`); a cluster client
+#: that reaches no node at all raises RedisClusterException, no RedisError.
+UNANSWERED = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 def _node(shard: FencedQueue) -> str:
@@ -128,7 +133,8 @@ class ShardedQueue:
         of them: the slots take turns, and the shards sharing a slot (on one master) take turns at
         their slot's turn. Such a claim is one script call in one round trip, as on an unsharded queue
         (a script call has a fixed cost a split claim pays per shard: docs/benchmarks.md), and every
-        shard is asked within n claims. ``first``: the shard that starts, or is asked alone, instead
+        shard is asked within slots x (most shards a slot has) claims: n when the slots have as many
+        shards each. ``first``: the shard that starts, or is asked alone, instead
         (a woken consumer does not pass the shard whose marker it took: that marker would win every
         next poll)."""
         n = len(self.shards)
@@ -182,7 +188,8 @@ class ShardedQueue:
         # A shard that failed (its node unreachable) does not hide what the others leased.
         claimed = [item for result in results if not isinstance(result, Exception) for item in result]
         asked = {shard.shard for shard, _ in plan}
-        for shard in self.shards:
+        after = plan[-1][0].shard + 1 if plan else 0  # The others in turn from the last one asked.
+        for shard in self.shards[after:] + self.shards[:after]:
             if len(claimed) >= count:
                 break
             if shard.shard in asked or _node(shard) in down:
@@ -193,7 +200,7 @@ class ShardedQueue:
             except UNANSWERED as exc:
                 failed.append(exc)
                 down.add(_node(shard))
-        if not answered:
+        if failed and not answered:
             raise failed[0]
         for exc in failed:
             logger.error("claim on a shard of %r failed: %r", self.name, exc)
