@@ -17,6 +17,7 @@ from django.urls import reverse
 
 from broker_ext import consumers
 from broker_ext.consumers import ConsumerRegistry
+from broker_ext.errors import Reply
 from broker_ext.records import OutgoingMessage
 from broker_ext.scripts import register
 from lab.processes import wait_for
@@ -183,6 +184,25 @@ def test_the_workers_page_shows_each_worker_what_it_holds_and_its_last_extend(ad
     assert row.running_in_database == 1
     html = response.content.decode()
     assert busy.key in html and "live" in html
+
+
+def test_a_held_delivery_acked_before_the_page_reads_it_is_listed_by_id_not_a_server_error(
+    admin_client, queue, effects
+):
+    """The keeper reported a delivery that was acked before the page read its payload (a fast task): no
+    payload, no task, no outcome row. The page lists its id with "?" for the task; it used to fail
+    with a 500 (a template filter's argument looked up on no outcome)."""
+    queue.publish([OutgoingMessage("fast-1", "{}")])
+    (claimed,) = queue.claim()
+    keeper_entry(queue, "worker-fast@test").report([queue.name], [claimed.delivery], extended=True)
+    assert queue.ack([claimed.delivery]) == [Reply.OK]
+    response = admin_client.get(reverse("admin:queueapp_taskoutcome_workers"))
+    assert response.status_code == 200
+    (row,) = response.context["report"].workers
+    assert [(message.message_id, message.outcome, message.task) for message in row.held] == [
+        ("fast-1", None, "")
+    ]
+    assert "fast-1" in response.content.decode()
 
 
 @pytest.mark.parametrize(
