@@ -244,10 +244,7 @@ class Consuming:
             )
             for shard, share in plan
         ]
-        after = (asked[-1] + 1) if asked else 0  # The others in turn from the last shard asked, not from 0.
-        turned = fenced.shards[after:] + fenced.shards[:after]
-        unasked = [shard for shard in turned if shard.shard not in asked]
-        return PendingClaim(queue, count, acks, claims, unasked, asked)
+        return PendingClaim(queue, count, acks, claims, fenced.unasked(asked), asked)
 
     def _on_nodes(self, key: tuple[str, int], nodes: set[str]) -> bool:
         """Whether queue shard ``key`` lives on one of ``nodes`` (a shard the layout no longer has: yes,

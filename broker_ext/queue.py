@@ -199,6 +199,10 @@ class FencedQueue:
         """The shards a claim leaves for their slot's next turn: none, for a queue of one shard."""
         return set()
 
+    def unasked(self, asked: Sequence[int]) -> list[FencedQueue]:
+        """The shards a claim did not ask, for it to follow up with: none, for a queue of one shard."""
+        return []
+
     def claim_call(
         self,
         count: int = 1,

@@ -166,6 +166,12 @@ class ShardedQueue:
             if shard not in asked_set
         }
 
+    def unasked(self, asked: Sequence[int]) -> list[FencedQueue]:
+        """The shards a claim asking ``asked`` did not ask, in turn from the last one it asked: the
+        order its follow-ups ask them in (from shard 0 every time, low shards would be emptied first)."""
+        after = asked[-1] + 1 if asked else 0
+        return [shard for shard in self.shards[after:] + self.shards[:after] if shard.shard not in asked]
+
     def claim(self, count: int = 1, *, no_ack: bool = False, wake_next: bool = True) -> list[Claimed]:
         """Claim up to ``count`` over the shards; shards left out of the plan are asked only if the
         asked ones had too little or their node did not answer (a busy claim asks one node), skipping
@@ -187,12 +193,10 @@ class ShardedQueue:
         }
         # A shard that failed (its node unreachable) does not hide what the others leased.
         claimed = [item for result in results if not isinstance(result, Exception) for item in result]
-        asked = {shard.shard for shard, _ in plan}
-        after = plan[-1][0].shard + 1 if plan else 0  # The others in turn from the last one asked.
-        for shard in self.shards[after:] + self.shards[:after]:
+        for shard in self.unasked([shard.shard for shard, _ in plan]):
             if len(claimed) >= count:
                 break
-            if shard.shard in asked or _node(shard) in down:
+            if _node(shard) in down:
                 continue
             try:
                 claimed += shard.claim(count - len(claimed), no_ack=no_ack, wake_next=wake_next)
