@@ -6,9 +6,13 @@ the ``unacked`` hash (running, prefetched, ETA tasks held in memory). Fenced
 workers run meanwhile, as after a cutover (producers switched first). The
 command is SIGKILLed at random points of its move, each time as soon as the
 fenced queue has taken in a random number of messages (the seed is in the
-log), then run to the end. Every message published before the cutover must
-then have run exactly once as an effect and at least once as a delivery,
-with nothing left in the stock keys, the journal or the fenced queue.
+log), then run to the end. Every message the stock keys held at the cutover
+must then have run exactly once as an effect and at least once as a
+delivery, with nothing left in the stock keys, the journal or the fenced
+queue. (A stock worker SIGKILLed with a ``BRPOP`` reply in flight loses that
+message before any move: popped, never written to ``unacked``, stock's S1.
+The test counts such losses, at most one per killed worker, and expects
+every other task's effect exactly once.)
 """
 
 from __future__ import annotations
@@ -98,10 +102,31 @@ def kill_once_adopted(mover: ManagedProcess, fenced, threshold: int) -> None:
     print(f"killed at {adopted(fenced)} adopted (threshold {threshold})")
 
 
+def stock_task_ids(stock) -> set[str]:
+    """The task ids of the messages in the stock keys: every list element and every unacked entry."""
+    payloads = [json.loads(raw) for key in stock.scan_iter(_type="list") for raw in stock.lrange(key, 0, -1)]
+    payloads += [json.loads(entry)[0] for entry in stock.hvals("unacked")]
+    return {(payload.get("headers") or {}).get("id") for payload in payloads} - {None}
+
+
 def stock_messages(stock) -> int:
     """Messages the stock transport still holds: every list (all priority levels) and the unacked hash."""
     lists = sum(stock.llen(key) for key in stock.scan_iter(_type="list"))
     return lists + stock.hlen("unacked")
+
+
+def missing(labels: dict[str, str], effects, fenced, tmp_path) -> str:
+    """What a failure needs: the labels with no effect (or not expected), the fenced queue's counts, and
+    every log line (workers', the command's) naming a task with no effect."""
+    ran = {row[0] for row in effects()}
+    absent = {label: task_id for label, task_id in labels.items() if label not in ran}
+    lines = [f"no effect: {absent}", f"unexpected effects: {sorted(ran - set(labels))}"]
+    lines.append(f"fenced queue: {FencedQueue(fenced, 'celery').stats()}")
+    for log in sorted(tmp_path.rglob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if any(task_id in line for task_id in absent.values()):
+                lines.append(f"{log.name}: {line}")
+    return "\n".join(lines)
 
 
 def test_a_killed_stock_deployment_moved_by_a_command_killed_at_random_points_runs_everything_once(
@@ -122,10 +147,17 @@ def test_a_killed_stock_deployment_moved_by_a_command_killed_at_random_points_ru
     for worker in stock_workers:
         worker.kill()
     left_by_stock = stock_messages(stock)
+    # A killed stock transaction rolled back: these effects are all the stock workers committed.
+    ran_on_stock = {row[0] for row in effects()}
+    held = stock_task_ids(stock)
+    lost_by_stock = {label for label, task_id in labels.items() if task_id not in held} - ran_on_stock
+    print(f"lost by stock before the cutover (popped by BRPOP, not in unacked): {sorted(lost_by_stock)}")
+    assert len(lost_by_stock) <= len(stock_workers), lost_by_stock
     assert stock.llen("celery\x06\x169") > 0 and stock.llen("celery\x06\x163") > 0, left_by_stock
 
     # The cutover: fenced workers run, and the move is killed at random points.
-    fenced_workers = [start_worker(name=f"fenced{i}", broker_url=fenced_url) for i in range(2)]
+    for i in range(2):
+        start_worker(name=f"fenced{i}", broker_url=fenced_url)
     seed = random.randrange(1 << 32)
     print(f"kill seed {seed}")
     thresholds = sorted(random.Random(seed).sample(range(1, left_by_stock), KILLS))
@@ -140,16 +172,17 @@ def test_a_killed_stock_deployment_moved_by_a_command_killed_at_random_points_ru
     assert stock_messages(stock) == 0 and not stock.exists(adopting_key())
     # Each message the stock workers left was stored once, whatever the kills interrupted.
     assert adopted(fenced) == left_by_stock
-    done = lambda: {row[0] for row in effects()} == set(labels)  # noqa: E731
-    assert wait_for(done, timeout=90), fenced_workers[0].output()[-3000:]
+    expected = {label: task_id for label, task_id in labels.items() if label not in lost_by_stock}
+    done = lambda: {row[0] for row in effects()} == set(expected)  # noqa: E731
+    assert wait_for(done, timeout=90), missing(expected, effects, fenced, tmp_path)
     celery = QueueKeys("celery")
     assert wait_for(lambda: fenced.zcard(celery.ready) + fenced.zcard(celery.leases) == 0, timeout=30)
     time.sleep(0.5)  # Anything still delivered would show as a second effect now.
 
     effect_labels = [row[0] for row in effects()]
-    assert sorted(effect_labels) == sorted(labels), "an effect ran twice or never"
-    outcomes = TaskOutcome.objects.filter(task_name=EFFECT, idempotency_key__in=labels.values())
-    assert outcomes.count() == len(labels)
+    assert sorted(effect_labels) == sorted(expected), "an effect ran twice or never"
+    outcomes = TaskOutcome.objects.filter(task_name=EFFECT, idempotency_key__in=expected.values())
+    assert outcomes.count() == len(expected)
     assert set(outcomes.values_list("status", flat=True)) == {"succeeded"}
     deliveries = TaskDelivery.objects.filter(outcome__in=outcomes)
     assert set(deliveries.values_list("outcome_id", flat=True)) == set(outcomes.values_list("id", flat=True))
