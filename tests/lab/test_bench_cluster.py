@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from lab.bench.cluster_level import LONE, SHARDED, SPLIT, ratio, spread
+import pytest
+from kombu import Producer
+
+from lab.bench.cluster_level import LONE, SHARDED, SPLIT, ClusterBench, publish_all, ratio, spread, warm_up
 from lab.bench.core import Measurement
 
 
@@ -28,3 +31,36 @@ def test_the_cost_ratio_pairs_the_settings_round_by_round():
     assert ratio(figure, SHARDED, SPLIT) == pytest.approx(
         figure.values[SHARDED.key] / figure.values[SPLIT.key]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [SPLIT, SHARDED], ids=lambda setting: setting.key)
+def test_a_publish_figure_starts_once_every_queue_and_shard_is_past_the_small_hash_encoding(setting):
+    """A fresh queue's ``state`` is a listpack up to ``hash-max-listpack-entries``, scanned on every write;
+    a shard, a sixth of the queue, stays there longer than a third of it would. The warm-up publishes
+    until no queue or shard is: what a figure then measures is a hot queue's cost."""
+    bench = ClusterBench.start(SimpleNamespace(started_pids=[]))
+    try:
+        small = int(
+            next(iter(bench.masters.values())).config_get("hash-max-listpack-entries")[
+                "hash-max-listpack-entries"
+            ]
+        )
+        queues = bench.queues("publish", setting)
+        with bench.connection(setting) as connection:
+            for queue in queues:
+                queue(connection.default_channel).declare()
+            producer = Producer(connection.default_channel)
+            publish_all(producer, queues, 0, 20)
+            assert not bench.hot(setting)
+            published = warm_up(bench, setting, producer, queues, 20)
+        states = [
+            (client.object("encoding", key), client.hlen(key))
+            for client in bench.masters.values()
+            for key in client.scan_iter(match="*fenced:*:state")
+        ]
+        assert len(states) == setting.queues * setting.shards
+        assert all(encoding == b"hashtable" and length > small for encoding, length in states), states
+        assert bench.remaining() == published + 20
+    finally:
+        bench.stop()
