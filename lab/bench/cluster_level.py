@@ -103,6 +103,8 @@ DRAIN_TIMEOUT = 10.0
 MIN_CLAIMS = 10
 #: Messages per batch a warm-up adds while a queue or shard is not hot yet (:func:`warm_up`).
 WARM_STEP = 500
+#: Most such batches: far more than 512 messages in each of 6 shards take.
+WARM_STEPS = 40
 #: The fewest messages a figure measures (``--messages 20`` would leave a figure in the noise of the
 #: cluster bus: a gossip tick on an idle master costs as much as a few messages).
 MIN_MESSAGES = 200
@@ -330,11 +332,13 @@ def warm_up(
     """
     publish_all(producer, queues, 0, warmup)
     published = warmup
-    while not bench.hot(setting):
+    for _ in range(WARM_STEPS):
+        if bench.hot(setting):
+            return published
         with producer.batch():
             publish_all(producer, queues, published, WARM_STEP)
         published += WARM_STEP
-    return published
+    raise AssertionError(f"{setting.label}: not every queue and shard was hot after {published} messages")
 
 
 def publish_once(bench: ClusterBench, setting: Setting, messages: int, warmup: int, *, batch: bool) -> Round:
