@@ -27,6 +27,7 @@ import pytest
 
 from broker_ext.keys import QueueKeys, adopting_key
 from broker_ext.queue import FencedQueue
+from lab.faultlab.recorder import stock_end
 from lab.processes import ManagedProcess, database_url_for_workers, wait_for
 from queueapp.models import TaskDelivery, TaskOutcome
 
@@ -103,10 +104,9 @@ def kill_once_adopted(mover: ManagedProcess, fenced, threshold: int) -> None:
 
 
 def stock_task_ids(stock) -> set[str]:
-    """The task ids of the messages in the stock keys: every list element and every unacked entry."""
-    payloads = [json.loads(raw) for key in stock.scan_iter(_type="list") for raw in stock.lrange(key, 0, -1)]
-    payloads += [json.loads(entry)[0] for entry in stock.hvals("unacked")]
-    return {(payload.get("headers") or {}).get("id") for payload in payloads} - {None}
+    """The task ids of the messages in the stock keys: every list (each priority level) and unacked."""
+    end = stock_end(stock, list(stock.scan_iter(_type="list")))
+    return end.ready | end.leased
 
 
 def stock_messages(stock) -> int:
