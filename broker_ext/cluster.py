@@ -41,11 +41,11 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.url import parse_url
 from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, ClusterPipeline, RedisCluster
-from redis.crc import key_slot
 
 from broker_ext.channel import Channel
 from broker_ext.consume import Empty
 from broker_ext.errors import ConfigurationError
+from broker_ext.nodes import slot_of
 from broker_ext.queue import FencedQueue, new_claim_id
 from broker_ext.wake_relay import WakeRelay
 
@@ -277,5 +277,5 @@ def _slot_groups(shards: list[FencedQueue]) -> list[list[FencedQueue]]:
     """Shards grouped by the slot of their wake-up marker (one BZPOPMIN each), shard 0's group first."""
     groups: dict[int, list[FencedQueue]] = {}
     for shard in shards:
-        groups.setdefault(key_slot(shard.keys.wake.encode()), []).append(shard)
+        groups.setdefault(slot_of(shard.keys.wake), []).append(shard)
     return list(groups.values())

@@ -17,18 +17,33 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 
 from broker_ext.scripts import ScriptCall, command_of, result_of, run_calls, translate
 
 
+@lru_cache(maxsize=4096)
+def slot_of(key: str) -> int:
+    """The hash slot of ``key``, computed once per key: a consumer asks it of the same few keys (its
+    queues' shards) for every claim and every ack, and CRC16 in Python is not free."""
+    return key_slot(key.encode())
+
+
 def node_of(client, key: str) -> str:
-    """The name of the node that serves ``key`` (``""`` on a single Redis)."""
+    """The name of the node that serves ``key`` (``""`` on a single Redis): the slot's owner in the
+    client's current slot map, which redis-py refreshes when a slot moves."""
     if not hasattr(client, "nodes_manager"):
         return ""
-    return client.get_node_from_key(key).name
+    owners = client.nodes_manager.slots_cache.get(slot_of(key))
+    if not owners:
+        raise redis.exceptions.SlotNotCoveredError(
+            f"slot {slot_of(key)} of {key!r} is not covered by the cluster"
+        )
+    return owners[0].name
 
 
 def node_client(client, key: str):

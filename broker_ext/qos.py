@@ -245,7 +245,9 @@ class FencedQoS(virtual.QoS):
             times, self._unsent_times = self._unsent_times, []
         if rides is not None:
             try:
-                taken = [rides((delivery.queue, delivery.shard)) for delivery in acks]
+                # Asked once per queue shard, not once per ack (it looks up the shard's node).
+                rode = {key: rides(key) for key in {(delivery.queue, delivery.shard) for delivery in acks}}
+                taken = [rode[(delivery.queue, delivery.shard)] for delivery in acks]
             except BaseException:  # e.g. reading a changed layout failed: the acks stay buffered
                 with self._lock:
                     self._unsent_acks[:0], self._unsent_times[:0] = acks, times

@@ -24,6 +24,14 @@ scripts' share of it is kept in the JSON for comparison
 (``script_usec_per_message``, ``EVALSHA``'s usec, which includes the
 commands run inside), with the commands per message on each master.
 
+The masters run on every core but the last, the bench process (its
+consumers, lease keepers and wake relays) on the last one (:meth:`ClusterBench.pin`):
+sharing cores, the bench's Python would preempt the masters, and a setting
+whose consumers spend more Python per message would be charged for it in
+Redis CPU. The consume figures span close to a second of work, so that the
+lease keepers' periodic passes (one reclaim per queue shard every
+``reclaim_interval``) weigh in them about as they do in a long run.
+
 Why the baseline is three queues and not the lone one: on a machine with fewer
 cores than masters (the 2-core VM of docs/benchmarks.md), three Redis
 processes serving requests in turn each spend more CPU per request than one
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import statistics
 import threading
@@ -92,8 +101,9 @@ SPLIT = Setting("split", f"{MASTERS} queues by hand", 1, MASTERS)
 #: comparison.
 SHARDED = Setting("sharded", f"queue_shards {SHARDS}", SHARDS, 1, MASTERS)
 SETTINGS = (LONE, SPLIT, SHARDED)
-#: Rounds of each figure (the order of the settings rotating); a --quick run does one.
-ROUNDS = 5
+#: Rounds of each figure (the order of the settings rotating); a --quick run does one. Seven: the
+#: median of seven paired ratios moves less with one slow round than that of five.
+ROUNDS = 7
 #: The target's bounds (``lab.bench.report``): the spread of each master around an even share, and
 #: the sharded queue's CPU per task summed over the masters against the unsharded queues'.
 SPREAD_LIMIT = 0.15
@@ -108,14 +118,14 @@ WARM_STEPS = 40
 #: The fewest messages a figure measures (``--messages 20`` would leave a figure in the noise of the
 #: cluster bus: a gossip tick on an idle master costs as much as a few messages).
 MIN_MESSAGES = 200
-#: The workloads: key, label, and the share of ``Sizes.messages`` each measures (a default run: 500
-#: and 2,500 messages, enough for a CPU figure, as Redis CPU is counted rather than timed; 60 runs
-#: in all, a minute or two on 2 cores).
+#: The workloads: key, label, and the share of ``Sizes.messages`` each measures (a default run: 1,000
+#: messages one by one, 10,000 batched: half a second to a second of work each, as one round of a setting
+#: moves by ±20-30% on a shared VM over shorter spans; 84 runs in all, about 3 minutes on 2 cores).
 MODES = (
-    ("publish", "one-by-one publish (Producer.publish)", 0.25),
-    ("batch_publish", "batch publish (Producer.batch())", 1.25),
-    ("consume_ack.p1", "consume+ack, prefetch 1", 0.25),
-    ("consume_ack.p100", "consume+ack, prefetch 100", 1.25),
+    ("publish", "one-by-one publish (Producer.publish)", 0.5),
+    ("batch_publish", "batch publish (Producer.batch())", 5.0),
+    ("consume_ack.p1", "consume+ack, prefetch 1", 0.5),
+    ("consume_ack.p100", "consume+ack, prefetch 100", 5.0),
 )
 #: The two ways a task goes through Redis: (key, label, publish mode, consume mode).
 TASK_PATHS = (
@@ -148,6 +158,15 @@ def spread(per_master: dict[str, float]) -> float | None:
     return max(abs(value - even) for value in per_master.values()) / even
 
 
+def core_plan(cores: set[int]) -> tuple[set[int], set[int]] | None:
+    """The cores of the masters and of the bench process: the last core for the bench, every other one
+    for the masters; ``None`` with a single core (nothing to separate)."""
+    if len(cores) < 2:
+        return None
+    ordered = sorted(cores)
+    return set(ordered[:-1]), {ordered[-1]}
+
+
 @dataclass
 class ClusterBench:
     """The level's own cluster: a client per master (named A, B, C by slot range) and its idle CPU."""
@@ -157,6 +176,8 @@ class ClusterBench:
     idle_per_s: dict[str, float] = field(default_factory=dict)
     #: Per master (A, B, C), the slot range it serves.
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The bench thread's cores before :meth:`pin`, given back by :meth:`stop` (``None``: not pinned).
+    unpinned: set[int] | None = None
 
     @classmethod
     def start(cls, run: BenchRun) -> ClusterBench:
@@ -171,11 +192,36 @@ class ClusterBench:
             for name, (first, last, master, *_) in zip("ABCDEFGH", sorted(slots), strict=False):
                 bench.masters[name] = redis.Redis(host="127.0.0.1", port=int(master[1]))
                 bench.ranges[name] = (int(first), int(last))
+            bench.pin(run)
             bench.calibrate()
         except BaseException:
             bench.stop()
             raise
         return bench
+
+    def pin(self, run: BenchRun) -> None:
+        """Keep the masters off the bench process's core (:func:`core_plan`), as clients on other hosts are.
+
+        Sharing cores, every microsecond of Python the bench spends (and a sharded
+        consumer spends more than a hand-split one) preempts a master, whose CPU per
+        request then grows with cold caches: the figure would charge the
+        client's work to Redis (docs/benchmarks.md). The threads the bench starts
+        from here on (consumers, lease keepers, wake relays) inherit its core.
+        """
+        if not hasattr(os, "sched_setaffinity"):
+            return
+        original = os.sched_getaffinity(0)
+        cores = core_plan(original)
+        if cores is None:
+            run.progress("Cluster level: one core, masters and bench share it")
+            return
+        masters, bench = cores
+        for node in self.cluster.nodes:
+            if node.pid:
+                os.sched_setaffinity(node.pid, masters)
+        os.sched_setaffinity(0, bench)
+        self.unpinned = original
+        run.progress(f"Cluster level: masters on cores {sorted(masters)}, the bench on core {min(bench)}")
 
     def calibrate(self, seconds: float = 1.0) -> None:
         """Each master's main-thread CPU per second with no client: the bus and cron, taken off later."""
@@ -242,6 +288,9 @@ class ClusterBench:
         for client in self.masters.values():
             client.close()
         self.cluster.cleanup()
+        if self.unpinned is not None:
+            os.sched_setaffinity(0, self.unpinned)
+            self.unpinned = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from broker_ext.errors import ConfigurationError, RedisUnavailable, Reply
 from broker_ext.keys import QueueKeys
+from broker_ext.nodes import node_of, slot_of
 from broker_ext.queue import FencedQueue
 from broker_ext.records import OutgoingMessage
 from lab.processes import wait_for
@@ -91,6 +92,20 @@ def test_a_moving_slot_pauses_its_queue_then_calls_follow_moved_to_the_new_owner
     stats = queue.stats()
     assert (stats.ready, stats.leased, stats.counters["acked"]) == (0, 0, 20)
     assert redis_cluster.master_for(queue.keys.wake) is target
+
+
+def test_a_key_goes_to_the_master_that_serves_its_slot(redis_cluster):
+    """``node_of`` keeps each key's slot once, and reads its owner from redis-py's slot map each time."""
+    client = _cluster_client(redis_cluster)
+    try:
+        keys = [QueueKeys(f"route-{i}").wake for i in range(50)] + [QueueKeys("route-0").leases, "plain"]
+        for key in keys:
+            assert slot_of(key) == client.keyslot(key)
+            assert node_of(client, key) == client.get_node_from_key(key).name
+            assert redis_cluster.master_for(key).port == int(node_of(client, key).rsplit(":", 1)[1])
+        assert len({node_of(client, key) for key in keys}) == 3
+    finally:
+        client.close()
 
 
 def test_a_cluster_has_only_database_zero(redis_cluster):

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 from kombu import Producer
 
-from lab.bench.cluster_level import LONE, SHARDED, SPLIT, ClusterBench, publish_all, ratio, spread, warm_up
+from lab.bench.cluster_level import (
+    LONE,
+    SHARDED,
+    SPLIT,
+    ClusterBench,
+    core_plan,
+    publish_all,
+    ratio,
+    spread,
+    warm_up,
+)
 from lab.bench.core import Measurement
+
+
+def _run() -> SimpleNamespace:
+    """What ``ClusterBench.start`` reads of a bench run."""
+    return SimpleNamespace(started_pids=[], progress=lambda line: None)
 
 
 def test_the_spread_is_the_farthest_master_from_an_even_share_of_the_sum():
@@ -39,7 +55,7 @@ def test_a_publish_figure_starts_once_every_queue_and_shard_is_past_the_small_ha
     """A fresh queue's ``state`` is a listpack up to ``hash-max-listpack-entries``, scanned on every write;
     a shard, a sixth of the queue, stays there longer than a third of it would. The warm-up publishes
     until no queue or shard is: what a figure then measures is a hot queue's cost."""
-    bench = ClusterBench.start(SimpleNamespace(started_pids=[]))
+    bench = ClusterBench.start(_run())
     try:
         small = int(
             next(iter(bench.masters.values())).config_get("hash-max-listpack-entries")[
@@ -64,3 +80,26 @@ def test_a_publish_figure_starts_once_every_queue_and_shard_is_past_the_small_ha
         assert bench.remaining() == published + 20
     finally:
         bench.stop()
+
+
+def test_the_bench_process_gets_the_last_core_and_the_masters_every_other_one():
+    assert core_plan({0, 1}) == ({0}, {1})
+    assert core_plan({0, 1, 2, 3}) == ({0, 1, 2}, {3})
+    assert core_plan({2, 5, 7}) == ({2, 5}, {7})
+    assert core_plan({0}) is None  # One core: nothing to keep apart.
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the level does not pin")
+def test_the_masters_run_off_the_bench_process_core_until_the_level_stops():
+    """The bench's Python would otherwise preempt the masters and be charged to Redis as its CPU."""
+    before = os.sched_getaffinity(0)
+    masters, bench_core = core_plan(before)
+    bench = ClusterBench.start(_run())
+    try:
+        assert os.sched_getaffinity(0) == bench_core
+        pids = [node.pid for node in bench.cluster.nodes]
+        assert pids and all(os.sched_getaffinity(pid) == masters for pid in pids)
+    finally:
+        bench.stop()
+    assert os.sched_getaffinity(0) == before
