@@ -28,8 +28,8 @@ from broker_ext.scripts import ScriptCall, command_of, result_of, run_calls, tra
 
 @lru_cache(maxsize=4096)
 def slot_of(key: str) -> int:
-    """The hash slot of ``key``, computed once per key: a consumer asks it of the same few keys (its
-    queues' shards) for every claim and every ack, and CRC16 in Python is not free."""
+    """The hash slot of ``key`` (a ``str``, UTF-8 as every key of this transport), computed once per
+    key: a consumer asks it of the same few keys (its queues' shards) for every claim and every ack."""
     return key_slot(key.encode())
 
 

@@ -6,6 +6,7 @@ import contextlib
 import time
 
 import pytest
+import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from broker_ext.errors import ConfigurationError, RedisUnavailable, Reply
@@ -104,6 +105,10 @@ def test_a_key_goes_to_the_master_that_serves_its_slot(redis_cluster):
             assert node_of(client, key) == client.get_node_from_key(key).name
             assert redis_cluster.master_for(key).port == int(node_of(client, key).rsplit(":", 1)[1])
         assert len({node_of(client, key) for key in keys}) == 3
+        # A slot the client's map has no owner for (a cluster mid-reshard) is refused as redis-py refuses it.
+        client.nodes_manager.slots_cache.pop(slot_of(keys[0]))
+        with pytest.raises(redis.exceptions.SlotNotCoveredError):
+            node_of(client, keys[0])
     finally:
         client.close()
 
