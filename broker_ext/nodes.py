@@ -33,17 +33,21 @@ def slot_of(key: str) -> int:
     return key_slot(key.encode())
 
 
+def _owner(client, key: str):
+    """The master serving ``key`` in a cluster client's current slot map (redis-py refreshes it when a
+    slot moves); a slot without one raises, as redis-py's own lookup does."""
+    slot = slot_of(key)
+    owners = client.nodes_manager.slots_cache.get(slot)
+    if not owners:
+        raise redis.exceptions.SlotNotCoveredError(f"slot {slot} of {key!r} is not covered by the cluster")
+    return owners[0]
+
+
 def node_of(client, key: str) -> str:
-    """The name of the node that serves ``key`` (``""`` on a single Redis): the slot's owner in the
-    client's current slot map, which redis-py refreshes when a slot moves."""
+    """The name of the node that serves ``key`` (``""`` on a single Redis)."""
     if not hasattr(client, "nodes_manager"):
         return ""
-    owners = client.nodes_manager.slots_cache.get(slot_of(key))
-    if not owners:
-        raise redis.exceptions.SlotNotCoveredError(
-            f"slot {slot_of(key)} of {key!r} is not covered by the cluster"
-        )
-    return owners[0].name
+    return _owner(client, key).name
 
 
 def node_client(client, key: str):
@@ -51,7 +55,7 @@ def node_client(client, key: str):
     of reads of one queue, which a cluster pipeline would refuse (``TIME`` has no key)."""
     if not hasattr(client, "nodes_manager"):
         return client
-    return client.get_redis_connection(client.get_node_from_key(key))
+    return client.get_redis_connection(_owner(client, key))
 
 
 def group_by_node(client, calls: Sequence[ScriptCall]) -> dict[str, list[int]]:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import redis
 
+from broker_ext.nodes import node_client
+
 logger = logging.getLogger(__name__)
 
 #: The member a publish (or a claim leaving messages) sets in a shard's marker (lua/include/wake.lua).
@@ -81,7 +83,7 @@ class WakeRelay:
 
     def _node_client(self, key: str) -> redis.Redis:
         """A client of its own on the node serving ``key``, whose socket outlasts the blocking call."""
-        pool = self.cluster.get_redis_connection(self.cluster.get_node_from_key(key)).connection_pool
+        pool = node_client(self.cluster, key).connection_pool
         kwargs = {**pool.connection_kwargs, "socket_timeout": self.timeout + 10}
         return redis.Redis(
             connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
